@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install specd into it. torch 2.13.0 goes first: it is the CPU build on this
+# kind of machine, and any looser spec could pull a multi-GB CUDA build.
+# Usage: scripts/setup.sh [dev]      (dev adds pytest, scipy, ruff, matplotlib)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+.venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+  || pip install torch==2.13.0
+extra=""
+[ "${1:-}" = "dev" ] && extra="[dev]"
+pip install -e ".${extra}"

@@ -1,0 +1,1 @@
+"""The speculative core: plain tensors and dataclasses, no gRPC or HTTP."""

@@ -1,0 +1,55 @@
+"""Load a target, an optional draft and the tokenizer, and assemble an :class:`Engine`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.engine.engine import Engine, EngineConfig
+from services.engine.model import VocabMismatchError, check_same_vocab, load_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_TARGET = REPO_ROOT / "models" / "demo-target"
+DEMO_DRAFT = REPO_ROOT / "models" / "demo-draft"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which models to load and how to run them."""
+
+    target: str = str(DEMO_TARGET)
+    draft: str | None = str(DEMO_DRAFT)
+    target_dtype: str = "bfloat16"
+    draft_dtype: str = "float32"  # small drafts are overhead-bound; fp32 costs them nothing extra
+    device: str = "cpu"
+    backend: str = "auto"  # "auto" | "own" | "transformers"
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Same vocabulary size is not enough: the same id must mean the same token."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise VocabMismatchError(
+            f"draft tokenizer ({draft_name}) maps tokens to different ids than the target's ({target_name})"
+        )
+
+
+def build_engine(spec: ModelSpec, config: EngineConfig = EngineConfig()) -> Engine:
+    """Load everything named in ``spec`` and return a ready engine."""
+    tokenizer = load_tokenizer(spec.target)
+    target = load_model(spec.target, DTYPES[spec.target_dtype], spec.device, spec.backend)
+    draft = None
+    if spec.draft:
+        draft = load_model(spec.draft, DTYPES[spec.draft_dtype], spec.device, spec.backend)
+        check_same_vocab(target.info, draft.info)
+        check_same_tokenizer(tokenizer, load_tokenizer(spec.draft), spec.target, spec.draft)
+    return Engine(target, tokenizer, draft, config)

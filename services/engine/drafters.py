@@ -1,0 +1,193 @@
+"""Drafters: who guesses the next k tokens.
+
+Both implement one small interface (:class:`Drafter`). The engine hands them :class:`DraftRow` s,
+one per sequence that speculates this round, and gets back a :class:`Proposal`:
+``token_ids [B, K]`` with -1 where a row has no guess, and ``probs [B, K, V]`` (the proposal
+distributions) or ``None`` for point-mass proposals.
+
+- :class:`ModelDrafter`: a small LM with its own KV cache. Its cache keeps the sequence's committed
+  tokens; after verification it is rolled back to the longest prefix the target accepted.
+- :class:`NGramDrafter`: prompt lookup (no model). It finds the most recent earlier occurrence of
+  the context's last n tokens and proposes what followed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from services.engine.model import BatchLayout, CausalLM
+from services.engine.sampling import BatchSampling, per_row_exponential, processed_probs, sample_from
+
+
+@dataclass
+class DraftRow:
+    """One sequence asking for guesses this round."""
+
+    seq_id: str
+    tokens: list[int]  # every committed token, prompt included; the last one is not yet in any cache
+    k: int
+    greedy: bool
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    """Guesses for a batch of rows, padded to the longest k with -1."""
+
+    token_ids: torch.Tensor  # [B, K] long
+    probs: torch.Tensor | None  # [B, K, V] float32, or None for point-mass guesses
+
+
+class Drafter(Protocol):
+    """What the engine needs from a drafter."""
+
+    def add(self, seq_id: str, prompt_ids: list[int]) -> None:
+        """Start tracking a sequence."""
+
+    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
+        """Guess up to ``row.k`` tokens for each row."""
+
+    def accepted(self, seq_id: str, num_accepted: int) -> None:
+        """Verification kept the first ``num_accepted`` guesses of the last proposal."""
+
+    def remove(self, seq_id: str) -> None:
+        """Forget a sequence and free what it held."""
+
+
+def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
+    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+class NGramDrafter:
+    """Prompt-lookup decoding: match the last n tokens (n from ``max_n`` down to ``min_n``)."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= min_n <= max_n")
+        self.min_n, self.max_n = min_n, max_n
+
+    def add(self, seq_id: str, prompt_ids: list[int]) -> None:
+        pass  # stateless: the context travels in each DraftRow
+
+    def remove(self, seq_id: str) -> None:
+        pass
+
+    def accepted(self, seq_id: str, num_accepted: int) -> None:
+        pass
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        arr = np.asarray(tokens, dtype=np.int64)
+        L = len(arr)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            # Windows start at 0..L-n-1, so each has at least one token after it and the suffix
+            # itself (starting at L-n) is excluded.
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == arr[L - n :]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start : start + k].tolist()
+        return []
+
+    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
+        guesses = [self.lookup(r.tokens, r.k) if r.k > 0 else [] for r in rows]
+        width = max((r.k for r in rows), default=0)
+        return Proposal(_pad(guesses, width), None)
+
+
+@dataclass
+class _DraftSeq:
+    slot: int
+    cache_len: int  # positions of the draft cache holding committed tokens
+    fed_until: int = 0  # cache positions written by the last proposal (committed or guessed)
+    last_n: int = 0  # committed length when the last proposal was made
+    extra: dict = field(default_factory=dict)
+
+
+class ModelDrafter:
+    """A small causal LM proposing k tokens autoregressively from its own KV cache."""
+
+    def __init__(self, model: CausalLM, max_slots: int, max_len: int) -> None:
+        self.model = model
+        self.cache = model.new_cache(max_slots, max_len)
+        self.max_len = max_len
+        self.seqs: dict[str, _DraftSeq] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.info.vocab_size
+
+    def add(self, seq_id: str, prompt_ids: list[int]) -> None:
+        slot = self.cache.allocate()
+        self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=0)
+        # Prefill all but the last token: the last committed token is fed at the next proposal.
+        if len(prompt_ids) > 1:
+            ids = torch.tensor([prompt_ids[:-1]], dtype=torch.long, device=self.model.device)
+            self.model.forward(ids, self.cache, BatchLayout([slot], [0], ids.shape[1], self.model.device), "none")
+            self.seqs[seq_id].cache_len = len(prompt_ids) - 1
+
+    def remove(self, seq_id: str) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.cache.release(seq.slot)
+
+    def accepted(self, seq_id: str, num_accepted: int) -> None:
+        seq = self.seqs[seq_id]
+        # Cache holds committed tokens up to last_n, then guesses d1..d_{k-1}; the first
+        # num_accepted guesses are now committed, the rest are rolled back.
+        seq.cache_len = min(seq.fed_until, seq.last_n + num_accepted)
+
+    @property
+    def active(self) -> int:
+        return len(self.seqs)
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
+        device = self.model.device
+        B = len(rows)
+        K = max(r.k for r in rows)
+        states = [self.seqs[r.seq_id] for r in rows]
+        slots = [s.slot for s in states]
+        # Step 0 catches each cache up with the committed tokens it has not seen (usually 1, or 2
+        # after a fully accepted block), right-padded; later steps feed one guess each.
+        pending = [r.tokens[s.cache_len :] for r, s in zip(rows, states)]
+        M = max(len(p) for p in pending)
+        inp = torch.zeros((B, M), dtype=torch.long)
+        for i, p in enumerate(pending):
+            inp[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        last_idx = torch.tensor([len(p) - 1 for p in pending], device=device)
+        starts = [s.cache_len for s in states]
+        greedy = torch.tensor([r.greedy for r in rows], device=device)
+        any_sampled = not all(r.greedy for r in rows)
+        noise = per_row_exponential((K, self.vocab_size), [r.generator for r in rows], device) if any_sampled else None
+
+        logits = self.model.forward(inp.to(device), self.cache, BatchLayout(slots, starts, M, device), "all")
+        logits = logits[torch.arange(B, device=device), last_idx].unsqueeze(1)  # [B, 1, V]
+        tokens, probs = [], []
+        for j in range(K):
+            if any_sampled:
+                q = processed_probs(logits, sampling)[:, 0]  # [B, V]
+                tok = torch.where(greedy, logits[:, 0].argmax(-1), sample_from(q, noise[:, j]))
+                probs.append(q)
+            else:
+                tok = logits[:, 0].argmax(-1)
+            tokens.append(tok)
+            if j + 1 < K:
+                positions = [len(r.tokens) + j for r in rows]
+                logits = self.model.forward(tok.view(B, 1), self.cache, BatchLayout(slots, positions, 1, device), "all")
+        for r, s in zip(rows, states):
+            s.last_n = len(r.tokens)
+            s.fed_until = len(r.tokens) + K - 1
+        token_ids = torch.stack(tokens, dim=1)  # [B, K]
+        ks = torch.tensor([r.k for r in rows], device=device)
+        token_ids = torch.where(torch.arange(K, device=device)[None, :] < ks[:, None], token_ids, -1)
+        return Proposal(token_ids, torch.stack(probs, dim=1) if any_sampled else None)

@@ -1,0 +1,357 @@
+"""The batched speculative round loop: admit, draft, verify, emit, evict.
+
+One :meth:`Engine.step` is one round for every running sequence:
+
+1. **admit** waiting requests into free cache slots (continuous batching) and prefill them;
+2. **draft**: each sequence's drafter (model, n-gram, or none) guesses up to k tokens;
+3. **verify**: the target scores ``[last token, guesses...]`` for all sequences in one forward pass;
+   greedy rows go through :func:`greedy_verify`, sampled rows through :func:`rejection_sample`;
+4. **emit** the verified tokens (one host sync per round), applying EOS, max_tokens, context length
+   and stop strings; roll every KV cache back to the accepted prefix;
+5. **evict** finished sequences and free their slots.
+
+Speculation off (method "none") runs the very same path with zero guesses, so it is the baseline.
+
+Cache invariant: for every running sequence, both caches hold all committed tokens but the last; the
+last one is the first input of the next round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.detokenize import Detokenizer
+from services.engine.drafters import DraftRow, ModelDrafter, NGramDrafter
+from services.engine.model import BatchLayout, CausalLM, check_same_vocab
+from services.engine.rejection import greedy_verify, rejection_sample
+from services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs, round_generator
+from services.engine.stats import SpecStats
+
+METHODS = ("draft", "ngram", "none")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How one request speculates."""
+
+    method: str = "draft"
+    num_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculation method must be one of {METHODS}, got {self.method!r}")
+        if not 0 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
+
+    @property
+    def k(self) -> int:
+        return 0 if self.method == "none" else self.num_tokens
+
+
+@dataclass(frozen=True)
+class Request:
+    """A generation request as the engine sees it: token ids in, token ids out."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    spec: SpecConfig = SpecConfig()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity of one engine instance."""
+
+    max_batch_size: int = 16
+    max_model_len: int = 1024  # prompt + generated tokens; capped by the target's context
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+
+@dataclass
+class StepOutput:
+    """What one round produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # newly verified tokens, in order
+    num_from_draft: int  # the first num_from_draft of token_ids were accepted guesses
+    text: str  # newly final text (stop strings and partial UTF-8 held back)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stats: SpecStats | None = None
+
+
+@dataclass
+class _Seq:
+    req: Request
+    slot: int
+    tokens: list[int]
+    generator: torch.Generator
+    draft_generator: torch.Generator
+    detok: Detokenizer
+    prompt_len: int
+    stats: SpecStats = field(default_factory=SpecStats)
+    finished: str | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Engine:
+    """Continuous-batching speculative decoder over one target and optional drafters."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        tokenizer,
+        draft: CausalLM | None = None,
+        config: EngineConfig = EngineConfig(),
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_len = min(config.max_model_len, target.info.max_context)
+        # Room for a full block of guesses past the last committed position.
+        cache_len = self.max_len + MAX_SPECULATIVE_TOKENS + 2
+        self.cache = target.new_cache(config.max_batch_size, cache_len)
+        self.drafters: dict[str, object] = {"ngram": NGramDrafter(config.ngram_min, config.ngram_max)}
+        if draft is not None:
+            check_same_vocab(target.info, draft.info)
+            self.drafters["draft"] = ModelDrafter(draft, config.max_batch_size, cache_len)
+        self.eos = frozenset(target.info.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, _Seq] = {}
+        self._aborted: set[str] = set()
+        self.totals = SpecStats()  # summed over requests (per-request verification counts)
+        self.rounds = 0  # batched target forward passes
+        self.device = target.device
+
+    # -------------------------------------------------------------------------- requests
+
+    def validate(self, req: Request) -> None:
+        """Raise ValueError for a request this engine can never serve."""
+        if not req.prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(req.prompt_ids) >= self.max_len:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; this model's context is {self.max_len} tokens")
+        vocab = self.target.info.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if req.spec.method == "draft" and req.spec.k > 0 and "draft" not in self.drafters:
+            raise ValueError("speculation method 'draft' needs a draft model; none is loaded")
+        if req.request_id in self.running or any(w.request_id == req.request_id for w in self.waiting):
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; it joins the batch at the next round with a free slot."""
+        self.validate(req)
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its caches are freed at the start of the next step."""
+        self._aborted.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------ step
+
+    def step(self) -> list[StepOutput]:
+        """Run one round for all running sequences; returns what each produced."""
+        outputs = self._evict_aborted()
+        self._admit()
+        if not self.running:
+            return outputs
+        seqs = list(self.running.values())
+        ks = [self._block_size(s) for s in seqs]
+        guesses, q = self._propose(seqs, ks)  # [B, K], [B, K, V] | None
+        K = guesses.shape[1]
+        inputs = torch.cat([torch.tensor([[s.tokens[-1]] for s in seqs]), guesses.clamp_min(0).cpu()], dim=1)
+        layout = BatchLayout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
+        logits = self.target.forward(inputs.to(self.device), self.cache, layout, "all")  # [B, K+1, V]
+        self.rounds += 1
+        token_ids, num_emitted = self._verify(seqs, logits, guesses, q)
+        # The one host sync of the round.
+        host = torch.cat([token_ids, num_emitted.unsqueeze(1)], dim=1).tolist()
+        guessed = (guesses >= 0).sum(dim=1).tolist() if K else [0] * len(seqs)
+        for seq, row, proposed in zip(seqs, host, guessed):
+            outputs.append(self._emit(seq, row[: row[-1]], proposed))
+        return outputs
+
+    def _evict_aborted(self) -> list[StepOutput]:
+        outs = []
+        for rid in list(self._aborted):
+            self._aborted.discard(rid)
+            if rid in self.running:
+                seq = self.running[rid]
+                seq.finished = "abort"
+                self._release(seq)
+                outs.append(StepOutput(rid, [], 0, "", True, "abort", seq.stats))
+            else:
+                self.waiting = deque(r for r in self.waiting if r.request_id != rid)
+        return outs
+
+    def _admit(self) -> None:
+        while self.waiting and self.cache.free_slots > 0:
+            req = self.waiting.popleft()
+            slot = self.cache.allocate()
+            prompt = list(req.prompt_ids)
+            if len(prompt) > 1:
+                ids = torch.tensor([prompt[:-1]], device=self.device)
+                self.target.forward(ids, self.cache, BatchLayout([slot], [0], ids.shape[1], self.device), "none")
+            seed = req.params.seed
+            seq = _Seq(
+                req=req,
+                slot=slot,
+                tokens=prompt,
+                generator=make_generator(seed, self.device),
+                # The draft consumes its own stream, derived from the seed, so both repeat exactly.
+                draft_generator=make_generator(None if seed is None else seed ^ 0x5DEECE66D, self.device),
+                detok=Detokenizer(self.tokenizer, req.params.stop),
+                prompt_len=len(prompt),
+            )
+            drafter = self.drafters.get(req.spec.method)
+            if drafter is not None:
+                drafter.add(req.request_id, prompt)
+            self.running[req.request_id] = seq
+
+    def _block_size(self, seq: _Seq) -> int:
+        """Guesses worth making: never past max_tokens or the context."""
+        remaining = min(seq.req.params.max_tokens - seq.generated, self.max_len - len(seq.tokens))
+        return max(0, min(seq.req.spec.k, remaining - 1))
+
+    def _propose(self, seqs: list[_Seq], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, K = len(seqs), max(ks)
+        guesses = torch.full((B, K), -1, dtype=torch.long, device=self.device)
+        q: torch.Tensor | None = None
+        for method in ("draft", "ngram"):
+            idx = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and s.req.spec.method == method]
+            if not idx:
+                continue
+            rows = [
+                DraftRow(
+                    seqs[i].req.request_id,
+                    seqs[i].tokens,
+                    ks[i],
+                    seqs[i].req.params.greedy,
+                    None if seqs[i].req.params.greedy else round_generator(seqs[i].draft_generator),
+                )
+                for i in idx
+            ]
+            sampling = BatchSampling.from_params([seqs[i].req.params for i in idx], self.device)
+            prop = self.drafters[method].propose(rows, sampling)
+            width = prop.token_ids.shape[1]
+            idx_t = torch.tensor(idx, device=self.device)
+            guesses[idx_t, :width] = prop.token_ids.to(self.device)
+            if prop.probs is not None:
+                if q is None:
+                    q = torch.zeros((B, K, prop.probs.shape[-1]), device=self.device)
+                q[idx_t, :width] = prop.probs
+        return guesses, q
+
+    def _verify(
+        self, seqs: list[_Seq], logits: torch.Tensor, guesses: torch.Tensor, q: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, K1 = logits.shape[0], logits.shape[1]
+        token_ids = torch.full((B, K1), -1, dtype=torch.long, device=self.device)
+        num_emitted = torch.zeros(B, dtype=torch.long, device=self.device)
+        greedy_rows = [i for i, s in enumerate(seqs) if s.req.params.greedy]
+        if greedy_rows:
+            g = torch.tensor(greedy_rows, device=self.device)
+            t, n = greedy_verify(logits[g], guesses[g])
+            token_ids[g], num_emitted[g] = t, n
+        # Sampled rows: model-drafted ones compare against q; n-gram / no-guess rows are point masses.
+        groups = {
+            True: [i for i, s in enumerate(seqs) if not s.req.params.greedy and s.req.spec.method == "draft"],
+            False: [i for i, s in enumerate(seqs) if not s.req.params.greedy and s.req.spec.method != "draft"],
+        }
+        for with_q, rows in groups.items():
+            if not rows:
+                continue
+            r = torch.tensor(rows, device=self.device)
+            sampling = BatchSampling.from_params([seqs[i].req.params for i in rows], self.device)
+            p = processed_probs(logits[r], sampling)  # [b, K+1, V]
+            # q is None only when no sampled row drafted this round; their guesses are then all -1.
+            draft_probs = q[r] if (with_q and q is not None) else None
+            t, n = rejection_sample(p, guesses[r], draft_probs, [round_generator(seqs[i].generator) for i in rows])
+            token_ids[r], num_emitted[r] = t, n
+        return token_ids, num_emitted
+
+    def _emit(self, seq: _Seq, new: list[int], proposed: int) -> StepOutput:
+        accepted = len(new) - 1
+        seq.stats.record_round(proposed, accepted, len(new))
+        self.totals.record_round(proposed, accepted, len(new))
+        drafter = self.drafters.get(seq.req.spec.method)
+        if isinstance(drafter, ModelDrafter) and proposed:
+            drafter.accepted(seq.req.request_id, accepted)
+        params = seq.req.params
+        reason = None
+        if not params.ignore_eos:
+            for i, t in enumerate(new):
+                if t in self.eos:
+                    new, reason = new[: i + 1], "stop"
+                    break
+        budget = min(params.max_tokens - seq.generated, self.max_len - len(seq.tokens))
+        if len(new) >= budget:
+            if len(new) > budget or reason is None:
+                new, reason = new[:budget], "length"
+        text, keep = seq.detok.push(new)
+        if seq.detok.stopped:
+            new, reason = new[:keep], "stop"
+        seq.tokens.extend(new)
+        if reason is not None:
+            text += seq.detok.flush()
+            seq.finished = reason
+            self._release(seq)
+        return StepOutput(seq.req.request_id, new, min(accepted, len(new)), text, reason is not None, reason, seq.stats)
+
+    def _release(self, seq: _Seq) -> None:
+        self.running.pop(seq.req.request_id, None)
+        self.cache.release(seq.slot)
+        drafter = self.drafters.get(seq.req.spec.method)
+        if drafter is not None:
+            drafter.remove(seq.req.request_id)
+
+    # ------------------------------------------------------------------------ helpers
+
+    def generate(self, requests: list[Request]) -> dict[str, GenerationResult]:
+        """Run requests to completion (all queued at once); returns results by request id."""
+        results = {r.request_id: GenerationResult(r.request_id) for r in requests}
+        for r in requests:
+            self.add_request(r)
+        for out in self.stream():
+            res = results[out.request_id]
+            res.token_ids.extend(out.token_ids)
+            res.text += out.text
+            if out.finished:
+                res.finish_reason = out.finish_reason
+                res.stats = out.stats
+        return results
+
+    def stream(self) -> Iterator[StepOutput]:
+        """Step until no work is left, yielding each output as soon as it is verified."""
+        while self.has_work():
+            yield from self.step()
+
+    @property
+    def active_slots(self) -> int:
+        return self.cache.used_slots
+
+
+@dataclass
+class GenerationResult:
+    """A finished request, assembled from its step outputs."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stats: SpecStats | None = None
+    started: float = field(default_factory=time.perf_counter)

@@ -1,0 +1,202 @@
+"""The model interface the engine drives, batch layout over the static cache, and model loading.
+
+A ``CausalLM`` is anything with ``info``, ``new_cache(num_slots, max_len)`` and
+``forward(input_ids [B, T], cache, layout, logits_for)``. Two implementations:
+
+- :class:`services.engine.llama.LlamaLM`: own forward for Llama/Mistral/Qwen2 (fast path);
+- :class:`HFCausalLM`: any other ``transformers`` causal LM, one ``DynamicCache`` per slot, cropped
+  on rollback. Correct for every architecture, slower (rows run one at a time).
+
+:func:`load_model` picks one through a registry keyed by ``config.model_type``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.engine.kv_cache import SlotAllocator
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of the system needs to know about a loaded model."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    backend: str
+
+
+class VocabMismatchError(ValueError):
+    """The draft and the target do not share a vocabulary; speculation would be meaningless."""
+
+
+class BatchLayout:
+    """Where each row of a batch lives in the cache: slot, first position, and the attention mask.
+
+    Built once per forward (host lists in, small tensors out) and shared by all layers.
+    """
+
+    def __init__(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu") -> None:
+        self.slots, self.starts, self.T = slots, starts, T
+        B = len(slots)
+        start_t = torch.tensor(starts, dtype=torch.long, device=device)
+        self.positions = start_t[:, None] + torch.arange(T, device=device)[None, :]  # [B, T]
+        self.S = max(starts) + T  # keys attended: the cache prefix up to the furthest row
+        self._contiguous = slots == list(range(slots[0], slots[0] + B))
+        self._slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        if B == 1 and T == 1:
+            self.mask: torch.Tensor | None = None  # one query sees the whole prefix
+        else:
+            keys = torch.arange(self.S, device=device)
+            self.mask = keys[None, None, None, :] <= self.positions[:, None, :, None]  # [B, 1, T, S]
+
+    def write(self, cache_layer: torch.Tensor, x: torch.Tensor) -> None:
+        """Store x [B, T, Hkv, D] into cache_layer [slots, L, Hkv, D] at each row's positions."""
+        if len(self.slots) == 1:
+            s0 = self.starts[0]
+            cache_layer[self.slots[0], s0 : s0 + self.T] = x[0]
+        else:
+            cache_layer[self._slot_t[:, None].expand_as(self.positions), self.positions] = x
+
+    def read(self, cache_layer: torch.Tensor) -> torch.Tensor:
+        """The first S positions of each row's slot, [B, S, Hkv, D] (a view when slots are contiguous)."""
+        if self._contiguous:
+            return cache_layer[self.slots[0] : self.slots[0] + len(self.slots), : self.S]
+        return cache_layer.index_select(0, self._slot_t)[:, : self.S]
+
+
+class CausalLM(Protocol):
+    """What the engine and drafters need from a model."""
+
+    info: ModelInfo
+    device: torch.device
+
+    def new_cache(self, num_slots: int, max_len: int) -> SlotAllocator: ...
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: SlotAllocator, layout: BatchLayout, logits_for: str = "all"
+    ) -> torch.Tensor | None: ...
+
+
+def eos_ids_of(hf_model) -> tuple[int, ...]:
+    """EOS ids from the generation config and the model config (either may hold a list)."""
+    ids: list[int] = []
+    for src in (getattr(hf_model, "generation_config", None), hf_model.config):
+        value = getattr(src, "eos_token_id", None) if src is not None else None
+        if value is None:
+            continue
+        ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+class _DynamicCacheSlots(SlotAllocator):
+    def __init__(self, num_slots: int, max_len: int) -> None:
+        from transformers import DynamicCache
+
+        super().__init__(num_slots)
+        self.max_len = max_len
+        self._factory = DynamicCache
+        self.caches = [DynamicCache() for _ in range(num_slots)]
+
+    def allocate(self) -> int:
+        slot = super().allocate()
+        self.caches[slot] = self._factory()
+        return slot
+
+
+class HFCausalLM:
+    """Fallback for architectures without an own forward: ``transformers`` with a cache per slot."""
+
+    def __init__(self, hf_model, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.model = hf_model.to(device=device, dtype=dtype).eval()
+        self.device = torch.device(device)
+        # transformers 5.x renamed past_key_values to cache; accept either.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        cfg = hf_model.config
+        self.info = ModelInfo(
+            name=getattr(cfg, "_name_or_path", "") or cfg.model_type,
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            max_context=getattr(cfg, "max_position_embeddings", 2048),
+            eos_token_ids=eos_ids_of(hf_model),
+            backend="transformers",
+        )
+
+    def new_cache(self, num_slots: int, max_len: int) -> _DynamicCacheSlots:
+        return _DynamicCacheSlots(num_slots, max_len)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, cache: _DynamicCacheSlots, layout: BatchLayout, logits_for: str = "all"
+    ) -> torch.Tensor | None:
+        outs = []
+        for b, (slot, start) in enumerate(zip(layout.slots, layout.starts)):
+            dc = cache.caches[slot]
+            if dc.get_seq_length() > start:
+                dc.crop(start - dc.get_seq_length())  # rollback; a negative crop drops that many tokens
+            out = self.model(
+                input_ids=input_ids[b : b + 1],
+                position_ids=layout.positions[b : b + 1],
+                use_cache=True,
+                **{self._cache_kwarg: dc},
+            )
+            outs.append(out.logits.float())
+        if logits_for == "none":
+            return None
+        logits = torch.cat(outs)
+        return logits[:, -1:] if logits_for == "last" else logits
+
+
+def _load_hf(name_or_path: str):
+    from transformers import AutoModelForCausalLM
+
+    # Loaded in fp32 once; each backend casts to the dtype it runs in (bf16 -> fp32 is exact).
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).eval()
+
+
+def _own_llama(hf_model, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    from services.engine.llama import load_llama
+
+    return load_llama(hf_model, dtype, device, prepack=None)
+
+
+# model_type -> builder. Everything else falls back to transformers.
+BACKENDS: dict[str, Callable[..., CausalLM]] = {
+    "llama": _own_llama,
+    "mistral": _own_llama,
+    "qwen2": _own_llama,
+}
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+) -> CausalLM:
+    """Load an HF causal LM by local path or hub id. ``backend``: "auto", "own" or "transformers"."""
+    hf_model = _load_hf(name_or_path)
+    builder = BACKENDS.get(hf_model.config.model_type)
+    if backend == "transformers" or (builder is None and backend == "auto"):
+        return HFCausalLM(hf_model, dtype, device)
+    if builder is None:
+        raise ValueError(f"no own forward for model_type {hf_model.config.model_type!r}")
+    return builder(hf_model, dtype, device)
+
+
+def check_same_vocab(target: ModelInfo, draft: ModelInfo) -> None:
+    """Refuse a draft whose vocabulary differs from the target's."""
+    if target.vocab_size != draft.vocab_size:
+        raise VocabMismatchError(
+            f"draft vocabulary ({draft.vocab_size} tokens, {draft.name}) differs from the target's "
+            f"({target.vocab_size} tokens, {target.name}); a draft must share the target's tokenizer"
+        )

@@ -1,0 +1,127 @@
+"""Speculative verification: the lossless rejection sampler and greedy verification.
+
+Pure tensor functions, vectorised over the batch and the block; no Python loop over tokens.
+
+Conventions shared by both functions:
+- ``draft_token_ids`` [B, k] long. ``-1`` marks "no proposal" at that position (a drafter that had
+  fewer than k guesses for this row, or a row with speculation off). A -1 is never accepted and, as
+  its q is zero, the token emitted there comes from the target distribution itself.
+- The result is ``(token_ids [B, k+1] long padded with -1, num_emitted [B] long)``: row b emits
+  ``token_ids[b, :num_emitted[b]]``, i.e. its accepted draft tokens followed by one token from the
+  target (the recovered token after a rejection, or the bonus token when every guess passed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.engine.sampling import exponential_noise, per_row_exponential, per_row_uniform, sample_from
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def _uniform(shape: tuple[int, ...], generator: Generators, device: torch.device) -> torch.Tensor:
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, device=device)
+    return per_row_uniform(shape[1:], generator, device)
+
+
+def _exponential(shape: tuple[int, ...], generator: Generators, device: torch.device) -> torch.Tensor:
+    if generator is None or isinstance(generator, torch.Generator):
+        return exponential_noise(shape, generator, device)
+    return per_row_exponential(shape[1:], generator, device)
+
+
+def _emit(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
+    """Assemble [B, k+1]: accepted drafts, then ``final_token`` at position num_accepted, then -1."""
+    B, k = draft_token_ids.shape
+    pos = torch.arange(k + 1, device=draft_token_ids.device).unsqueeze(0)  # [1, k+1]
+    padded = torch.cat([draft_token_ids, draft_token_ids.new_full((B, 1), -1)], dim=1)
+    out = torch.where(pos < num_accepted.unsqueeze(1), padded, padded.new_full((), -1))
+    return out.scatter(1, num_accepted.unsqueeze(1), final_token.unsqueeze(1))
+
+
+def recovered_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last dim: where a rejected guess's replacement is drawn from.
+
+    With q = 0 (no guess, or the bonus position) it is p itself. max(0, p - q) has no mass only if
+    p == q, which a rejection rules out up to rounding; p is used there rather than nothing.
+    """
+    residual = (p - q).clamp_min(0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: Generators = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan et al. Algorithm 1, batched.
+
+    target_probs [B, k+1, V] float: the target's processed distributions p_1..p_{k+1}.
+    draft_token_ids [B, k] long: proposals (-1 = none at this position).
+    draft_probs [B, k, V] float or None: the proposal distributions q the drafts were sampled from;
+        None means point-mass proposals (n-gram lookup), q(d) = 1.
+    generator: one generator for the whole batch, one per row (seeded requests), or None (global RNG).
+    Returns (token_ids [B, k+1] long padded with -1, num_emitted [B] long).
+
+    Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the
+    emitted token is drawn from norm(max(0, p_i - q_i)); if all k pass, a bonus token is drawn from
+    p_{k+1}. The emitted tokens then follow p exactly, whatever q is.
+    """
+    B, k1, V = target_probs.shape
+    k = k1 - 1
+    device = target_probs.device
+    has_draft = draft_token_ids >= 0  # [B, k]
+    safe_ids = draft_token_ids.clamp_min(0).unsqueeze(-1)  # [B, k, 1]
+    p_d = target_probs[:, :k].gather(-1, safe_ids).squeeze(-1)  # [B, k]
+    if draft_probs is None:
+        q_d = torch.ones_like(p_d)
+    else:
+        q_d = draft_probs.gather(-1, safe_ids).squeeze(-1)  # [B, k]
+
+    # Noise for the final token is drawn before the uniforms: its size (V) never changes, so with
+    # a fresh generator per round a row's uniforms are the same whatever the batch's k is.
+    exp_noise = _exponential((B, V), generator, device)  # [B, V]
+    u = _uniform((B, k), generator, device)  # [B, k]
+    # Strict '<' so that p_d == 0 is never accepted, even when u == 0.
+    accepted = has_draft & (u * q_d < p_d)
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B], length of the accepted prefix
+
+    # Distribution of the final token: position num_accepted of p, minus q there when that position
+    # held a (rejected) proposal. At the bonus position (num_accepted == k) q is zero.
+    rows = torch.arange(B, device=device)
+    p_sel = target_probs[rows, num_accepted]  # [B, V]
+    at = num_accepted.clamp_max(max(k - 1, 0))
+    rejected_here = (
+        (num_accepted < k) & has_draft[rows, at] if k > 0 else torch.zeros(B, dtype=torch.bool, device=device)
+    )
+    if draft_probs is None:
+        q_sel = torch.zeros_like(p_sel)
+        if k > 0:
+            q_sel.scatter_(1, safe_ids[rows, at], 1.0)
+    else:
+        q_sel = draft_probs[rows, at] if k > 0 else torch.zeros_like(p_sel)
+    q_sel = q_sel * rejected_here.unsqueeze(1).to(q_sel.dtype)
+    residual = recovered_distribution(p_sel, q_sel)  # [B, V]
+    final = sample_from(residual, exp_noise)  # [B]
+    return _emit(draft_token_ids, num_accepted, final), num_accepted + 1
+
+
+def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept while d_i == argmax p_i; the first mismatch becomes argmax p_i.
+
+    target_logits [B, k+1, V] (logits or probabilities: only the argmax is used).
+    draft_token_ids [B, k] long (-1 = none). Returns (token_ids [B, k+1], num_emitted [B]) as
+    :func:`rejection_sample` does. The result is exactly target-only greedy decoding.
+    """
+    k = draft_token_ids.shape[1]
+    best = target_logits.argmax(dim=-1)  # [B, k+1]
+    match = draft_token_ids == best[:, :k]
+    num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+    final = best.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return _emit(draft_token_ids, num_accepted, final), num_accepted + 1

@@ -1,0 +1,157 @@
+"""Logits -> processed distribution, and seeded sampling from it.
+
+Both the draft and the target go through :func:`processed_probs`, so the rejection sampler always
+compares distributions that saw the same temperature / top-k / top-p processing: that is what keeps
+speculation lossless for the distribution the user asked for.
+
+Randomness comes from one ``torch.Generator`` per request (seeded from the request's ``seed`` or from
+OS entropy), so a seeded request repeats exactly whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the user asked for. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+    seed: int | None = None
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.max_tokens <= 0:
+            raise ValueError("max_tokens must be > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling parameters of a batch, as tensors, plus host-side flags to skip work."""
+
+    temperature: torch.Tensor  # [B] float, greedy rows hold 1.0 (their probs are never sampled)
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float
+    greedy: list[bool] = field(default_factory=list)
+    needs_sort: bool = False  # any row with top-k or top-p
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
+        return cls(
+            temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            greedy=[p.greedy for p in params],
+            needs_sort=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
+        )
+
+    def select(self, rows: torch.Tensor | list[int]) -> BatchSampling:
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.temperature.device)
+        rows_l = idx.tolist()
+        sub_greedy = [self.greedy[i] for i in rows_l]
+        return BatchSampling(
+            self.temperature[idx],
+            self.top_k[idx],
+            self.top_p[idx],
+            sub_greedy,
+            needs_sort=bool(((self.top_k[idx] > 0) | (self.top_p[idx] < 1.0)).any()) if self.needs_sort else False,
+        )
+
+
+def processed_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """Turn raw logits into the distribution tokens are drawn from.
+
+    logits: [B, T, V] (any float dtype). Returns float32 probabilities [B, T, V] after temperature,
+    then top-k, then top-p (the order vLLM and HF use). Top-k/top-p keep at least one token.
+    """
+    B, T, V = logits.shape
+    x = logits.float() / sampling.temperature.view(B, 1, 1)
+    if not sampling.needs_sort:
+        return torch.softmax(x, dim=-1)
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [B, T, V]
+    ranks = torch.arange(V, device=x.device).view(1, 1, V)
+    k = sampling.top_k.view(B, 1, 1)
+    drop = (k > 0) & (ranks >= k)
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    # A token is dropped by top-p when the mass strictly before it already reaches top_p.
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    drop_p = mass_before >= sampling.top_p.view(B, 1, 1)
+    drop_p[..., 0] = False
+    sorted_x = sorted_x.masked_fill(drop_p, float("-inf"))
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    return torch.empty_like(sorted_p).scatter_(-1, order, sorted_p)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's private generator: seeded when the user gave a seed, else from OS entropy."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return g
+
+
+def round_generator(request_generator: torch.Generator) -> torch.Generator:
+    """A fresh generator for one round of one request, seeded by one draw from its own generator.
+
+    A round consumes a number of random values that depends on the batch's widest block; drawing
+    them from a per-round generator keeps each request's stream, and so a seeded output,
+    independent of what else shares its batch.
+    """
+    seed = int(torch.randint(0, 2**62, (1,), generator=request_generator))
+    return make_generator(seed, request_generator.device)
+
+
+def per_row_uniform(
+    shape_tail: tuple[int, ...], generators: Sequence[torch.Generator | None], device: torch.device | str
+) -> torch.Tensor:
+    """Uniform [0, 1) noise [B, *shape_tail], row b drawn from generators[b].
+
+    The loop is over requests, not tokens: each request must consume its own random stream so that
+    seeded output does not depend on batch composition.
+    """
+    return torch.stack([torch.rand(shape_tail, generator=g, device=device) for g in generators])
+
+
+def exponential_noise(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str
+) -> torch.Tensor:
+    """Exp(1) noise of ``shape`` from one generator, in one call."""
+    # float64 draws: a float32 Exp(1) is exactly 0 with probability ~6e-8 per element, which over an
+    # 8k-150k vocabulary would bias the race by up to 1e-2; in float64 it is ~1e-16 per element.
+    out = torch.empty(shape, dtype=torch.float64, device=device).exponential_(generator=generator)
+    return out.clamp_min_(1e-300).float().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def per_row_exponential(
+    shape_tail: tuple[int, ...], generators: Sequence[torch.Generator | None], device: torch.device | str
+) -> torch.Tensor:
+    """Exp(1) noise [B, *shape_tail], row b drawn from generators[b] (see :func:`per_row_uniform`)."""
+    return torch.stack([exponential_noise(shape_tail, g, device) for g in generators])
+
+
+def sample_from(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from (unnormalised) ``probs`` [..., V] using Exp(1) noise of the same shape.
+
+    argmax(w_i / E_i) with E_i ~ Exp(1) picks i with probability w_i / sum(w): an exponential race.
+    It needs no normalisation and no host sync, unlike ``torch.multinomial`` with per-row generators.
+    """
+    return (probs / exp_noise).argmax(dim=-1)

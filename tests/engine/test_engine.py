@@ -1,0 +1,193 @@
+"""The batched engine on the tiny pair: greedy identity, batching, stops, aborts, cache hygiene."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.builder import ModelSpec, build_engine
+from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from services.engine.model import VocabMismatchError
+from services.engine.sampling import SamplingParams
+
+PROMPTS = [
+    "def wrap(text, width=70, **kwargs):\n",
+    "import bisect\n",
+    'class TextWrapper:\n    """Object for wrapping/filling text.',
+    "x",
+    "def insort_right(a, x, lo=0, hi=None, *, key=None):\n    if key is None:\n        lo = bisect_right(a, x, lo, hi)",
+    "    return ''.join(lines)\n",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair) -> Engine:
+    target, draft = tiny_pair
+    spec = ModelSpec(target=str(target), draft=str(draft), target_dtype="float32")
+    return build_engine(spec, EngineConfig(max_batch_size=8, max_model_len=256))
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
+
+
+def _ids(engine: Engine, text: str) -> tuple[int, ...]:
+    return tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _hf_greedy(hf, ids: tuple[int, ...], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_greedy_identity_with_transformers_for_k_1_to_8(engine: Engine, hf_target, method: str) -> None:
+    refs = {p: _hf_greedy(hf_target, _ids(engine, p), 24) for p in PROMPTS}
+    for k in range(1, 9):
+        reqs = [
+            Request(f"{method}{k}-{i}", _ids(engine, p), _greedy(24), SpecConfig(method, k))
+            for i, p in enumerate(PROMPTS)
+        ]
+        res = engine.generate(reqs)  # all six prompts batched together
+        for i, p in enumerate(PROMPTS):
+            assert res[f"{method}{k}-{i}"].token_ids == refs[p], (method, k, p)
+    assert engine.active_slots == 0
+
+
+def test_speculation_accepts_guesses_on_tiny_pair(engine: Engine) -> None:
+    """Sanity: the tiny draft is a noisy copy of the target, so most guesses pass."""
+    res = engine.generate([Request("acc", _ids(engine, PROMPTS[0]), _greedy(40), SpecConfig("draft", 4))])["acc"]
+    s = res.stats
+    assert s.proposed_tokens > 0 and s.acceptance_rate > 0.5
+    assert s.target_forward_passes < 40  # fewer verifications than tokens
+
+
+def test_batch_equals_each_alone_greedy_and_seeded(engine: Engine) -> None:
+    """Different prompt lengths, methods, k and accept counts in one batch = each run alone."""
+    mixes = [("draft", 3), ("ngram", 5), ("none", 0), ("draft", 8), ("ngram", 2), ("draft", 1)]
+    params = [
+        _greedy(30),
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=7, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=30, seed=8, ignore_eos=True),
+    ]
+    reqs = [Request(f"b{i}", _ids(engine, p), params[i % 3], SpecConfig(*mixes[i])) for i, p in enumerate(PROMPTS)]
+    together = engine.generate(reqs)
+    accepted = {r.stats.accepted_tokens for r in together.values()}
+    assert len(accepted) > 2, "the batch should mix different accept counts"
+    for r in reqs:
+        alone = engine.generate([r])[r.request_id]
+        assert alone.token_ids == together[r.request_id].token_ids, r
+
+
+def test_requests_join_between_rounds(engine: Engine) -> None:
+    """Continuous batching: a request added mid-flight gives the same tokens as alone."""
+    a = Request("join-a", _ids(engine, PROMPTS[0]), _greedy(30), SpecConfig("draft", 4))
+    b = Request("join-b", _ids(engine, PROMPTS[2]), _greedy(20), SpecConfig("ngram", 3))
+    engine.add_request(a)
+    got: dict[str, list[int]] = {"join-a": [], "join-b": []}
+    steps = 0
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+        steps += 1
+        if steps == 3:
+            engine.add_request(b)
+    assert got["join-a"] == engine.generate([a])["join-a"].token_ids
+    assert got["join-b"] == engine.generate([b])["join-b"].token_ids
+
+
+def test_seeded_sampling_repeats_exactly(engine: Engine) -> None:
+    p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=25, seed=1234, ignore_eos=True)
+    r1 = engine.generate([Request("s1", _ids(engine, PROMPTS[1]), p, SpecConfig("draft", 4))])["s1"]
+    r2 = engine.generate([Request("s1", _ids(engine, PROMPTS[1]), p, SpecConfig("draft", 4))])["s1"]
+    assert r1.token_ids == r2.token_ids and len(r1.token_ids) == 25
+
+
+def test_max_tokens_and_length_finish(engine: Engine) -> None:
+    for k in (0, 3, 8):
+        res = engine.generate([Request("len", _ids(engine, PROMPTS[0]), _greedy(5), SpecConfig("draft", k))])["len"]
+        assert len(res.token_ids) == 5 and res.finish_reason == "length"
+
+
+def test_context_limit_finishes_with_length(tiny_pair) -> None:
+    target, draft = tiny_pair
+    eng = build_engine(ModelSpec(str(target), str(draft), "float32"), EngineConfig(max_batch_size=2, max_model_len=40))
+    ids = _ids(eng, PROMPTS[4])[:30]
+    res = eng.generate([Request("ctx", ids, _greedy(100), SpecConfig("draft", 8))])["ctx"]
+    assert res.finish_reason == "length" and len(ids) + len(res.token_ids) == 40
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request(Request("long", tuple(range(3, 43)), _greedy(5)))
+
+
+def test_eos_stops_and_is_reported(engine: Engine, hf_target) -> None:
+    """Find where greedy output would hit an EOS id, make that id the model's EOS, and stop there."""
+    ids = _ids(engine, PROMPTS[0])
+    free = _hf_greedy(hf_target, ids, 30)
+    stop_tok = free[9]
+    first = free.index(stop_tok)
+    eng = Engine(engine.target, engine.tokenizer, None, EngineConfig(max_batch_size=2, max_model_len=256))
+    eng.eos = frozenset({stop_tok})
+    res = eng.generate([Request("eos", ids, SamplingParams(temperature=0, max_tokens=30), SpecConfig("ngram", 4))])[
+        "eos"
+    ]
+    assert res.finish_reason == "stop"
+    assert res.token_ids == free[: first + 1]
+
+
+def test_stop_string_cuts_text_and_finishes(engine: Engine) -> None:
+    ids = _ids(engine, PROMPTS[0])
+    free = engine.generate([Request("free", ids, _greedy(30), SpecConfig("draft", 4))])["free"]
+    text = free.text
+    assert len(text) > 12
+    stop = text[8:11]
+    cut = text.find(stop)
+    p = SamplingParams(temperature=0, max_tokens=30, stop=(stop,), ignore_eos=True)
+    res = engine.generate([Request("stop", ids, p, SpecConfig("draft", 4))])["stop"]
+    assert res.finish_reason == "stop"
+    assert res.text == text[:cut]
+    assert res.token_ids == free.token_ids[: len(res.token_ids)]
+    assert engine.active_slots == 0
+
+
+def test_abort_frees_both_caches(engine: Engine) -> None:
+    engine.add_request(Request("ab", _ids(engine, PROMPTS[0]), _greedy(100), SpecConfig("draft", 4)))
+    engine.step()
+    drafter = engine.drafters["draft"]
+    assert engine.active_slots == 1 and drafter.active == 1
+    engine.abort("ab")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("ab", "abort")]
+    assert engine.active_slots == 0 and drafter.active == 0 and not engine.has_work()
+
+
+def test_streaming_yields_each_round(engine: Engine) -> None:
+    engine.add_request(Request("st", _ids(engine, PROMPTS[0]), _greedy(20), SpecConfig("draft", 4)))
+    outs = list(engine.stream())
+    assert len(outs) > 1 and all(1 <= len(o.token_ids) <= 5 for o in outs)
+    assert sum(len(o.token_ids) for o in outs) == 20 and outs[-1].finished
+
+
+def test_bad_requests_are_refused(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(Request("e", ()))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request(Request("v", (10**6,)))
+    with pytest.raises(ValueError):
+        SpecConfig("medusa", 4)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    assert not engine.has_work()
+
+
+def test_draft_with_other_vocabulary_is_refused(tiny_pair, micro_pair) -> None:
+    with pytest.raises(VocabMismatchError, match="vocabulary"):
+        build_engine(ModelSpec(str(tiny_pair[0]), str(micro_pair[1]), "float32"))

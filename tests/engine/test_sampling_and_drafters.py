@@ -1,0 +1,103 @@
+"""Logit processing, n-gram lookup and incremental detokenization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.detokenize import Detokenizer
+from services.engine.drafters import NGramDrafter
+from services.engine.sampling import BatchSampling, SamplingParams, processed_probs
+
+
+def _reference(logits: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Straightforward one-row implementation (HF's TopK then TopP warper order)."""
+    x = logits / t
+    if top_k:
+        kth = torch.topk(x, top_k).values[-1]
+        x = torch.where(x < kth, torch.tensor(float("-inf")), x)
+    p = torch.softmax(x, -1)
+    order = torch.argsort(p, descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    mass = 0.0
+    for i in order.tolist():
+        keep[i] = True
+        mass += p[i].item()
+        if mass >= top_p:
+            break
+    p = torch.where(keep, p, torch.zeros_like(p))
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    ("t", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.5, 10, 0.8), (2.0, 1, 0.5)]
+)
+def test_processed_probs_matches_reference(t: float, top_k: int, top_p: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 40, generator=g) * 3
+    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p)] * 3
+    got = processed_probs(logits, BatchSampling.from_params(params))
+    for b in range(3):
+        for j in range(2):
+            assert torch.allclose(got[b, j], _reference(logits[b, j], t, top_k, top_p), atol=1e-6)
+
+
+def test_processed_probs_mixes_per_row_settings() -> None:
+    logits = torch.randn(2, 1, 30, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3)]
+    got = processed_probs(logits, BatchSampling.from_params(params))
+    assert (got[0, 0] > 0).all()
+    assert int((got[1, 0] > 0).sum()) == 3
+
+
+def test_ngram_lookup_prefers_longest_and_latest_match() -> None:
+    d = NGramDrafter(min_n=1, max_n=3)
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    # Suffix (6, 7) appears at 1 and 5; (2, 6, 7) nowhere before; the latest 2-gram match wins.
+    assert d.lookup(tokens, 3) == [9, 2, 6]
+    assert d.lookup([1, 2, 3], 4) == []  # nothing repeats
+    assert d.lookup([4, 4], 2) == [4]  # continuation is cut at the context's end
+
+
+def test_ngram_min_n_is_respected() -> None:
+    assert NGramDrafter(min_n=2, max_n=3).lookup([1, 2, 3, 9, 3], 2) == []
+    assert NGramDrafter(min_n=1, max_n=3).lookup([1, 2, 3, 9, 3], 2) == [9, 3]
+
+
+class _CharTokenizer:
+    """One token per character; id 0 is a special token that decodes to nothing."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("" if i == 0 else chr(i) for i in ids)
+
+
+def _ids(s: str) -> list[int]:
+    return [ord(c) for c in s]
+
+
+def test_detokenizer_holds_back_possible_stop_prefix() -> None:
+    d = Detokenizer(_CharTokenizer(), stop=("END",))
+    assert d.push(_ids("hello E")) == ("hello ", 7)
+    assert d.push(_ids("N")) == ("", 1)  # "EN" may still become "END"
+    assert d.push(_ids("Dxyz")) == ("", 1)  # stop completes on the first id: the rest is dropped
+    assert d.stopped and d.text == "hello "
+
+
+def test_detokenizer_releases_held_text_when_no_stop() -> None:
+    d = Detokenizer(_CharTokenizer(), stop=("END",))
+    assert d.push(_ids("abcE")) == ("abc", 4)
+    assert d.push(_ids("x")) == ("Ex", 1)
+    assert d.push(_ids("EN")) == ("", 2)
+    assert d.flush() == "EN"
+
+
+def test_detokenizer_holds_incomplete_utf8() -> None:
+    class Bytes:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    d = Detokenizer(Bytes())
+    snow = "é".encode()
+    assert d.push([ord("a"), snow[0]]) == ("a", 2)
+    assert d.push([snow[1]]) == ("é", 1)
