@@ -4,15 +4,17 @@ Stages (each resumable, outputs under ``models/.work/`` which git ignores):
 
     python models/build.py corpus      # stdlib source + chat examples from docstrings
     python models/build.py tokenizer   # byte-level BPE, 8k vocabulary, ChatML template
-    python models/build.py train --role target --steps 900
-    python models/build.py train --role draft --steps 1200 --teacher models/.work/target-export
+    python models/build.py train --role target --steps 600
+    python models/build.py export-target   # fp32 copy of the target: the distillation teacher
+    python models/build.py train --role draft --steps 1500 --teacher models/.work/target-export
     python models/build.py export      # bf16 HF checkpoints into models/demo-target, models/demo-draft
     python models/build.py all         # everything above, in order
 
 Training saves a checkpoint every ``--save-every`` steps and on Ctrl-C or ``--minutes`` running out;
 running the same command again resumes from it (model, optimiser, step). The draft is distilled from
-the target: its loss mixes cross-entropy on the data with KL(target || draft) on the target's logits,
-computed online (one target forward per draft step, no gradients).
+the target: for its first two thirds of steps it learns the data with plain cross-entropy (cheap),
+then its loss mixes cross-entropy with KL(target || draft) on the target's logits, computed online
+(one target forward per draft step, no gradients).
 """
 
 from __future__ import annotations
@@ -212,6 +214,7 @@ class TrainArgs:
     minutes: float
     teacher: str | None
     kl_weight: float
+    kl_from: int  # distil (CE + KL) from this step on; plain CE before it is ~4x cheaper per token
     seed: int
 
 
@@ -246,10 +249,6 @@ def train(a: TrainArgs, tokens: np.ndarray, tok_dir: Path) -> Path:
         step = state["step"]
         print(f"resuming {a.role} at step {step}")
     teacher = None
-    if a.teacher:
-        teacher = LlamaForCausalLM.from_pretrained(a.teacher, dtype=torch.float32).eval()
-        if teacher.config.vocab_size != config.vocab_size:
-            raise SystemExit("teacher and student vocabularies differ")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{a.role}: {n_params / 1e6:.2f}M parameters, {a.batch * a.seq_len} tokens/step")
 
@@ -267,6 +266,11 @@ def train(a: TrainArgs, tokens: np.ndarray, tok_dir: Path) -> Path:
     bar = tqdm(total=a.steps, initial=step, desc=f"train {a.role}", unit="step")
     ema = None
     while step < a.steps and not stop["now"] and time.monotonic() < deadline:
+        if a.teacher and teacher is None and step >= a.kl_from:
+            teacher = LlamaForCausalLM.from_pretrained(a.teacher, dtype=torch.float32).eval()
+            if teacher.config.vocab_size != config.vocab_size:
+                raise SystemExit("teacher and student vocabularies differ")
+            print(f"distilling from {a.teacher} from step {step}")
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, a)
         batch = _batch(tokens, step, a)
@@ -321,7 +325,7 @@ def export(role: str, tok_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["corpus", "tokenizer", "train", "export", "all"])
+    p.add_argument("stage", choices=["corpus", "tokenizer", "train", "export-target", "export", "all"])
     p.add_argument("--role", choices=["target", "draft"], default="target")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=16)
@@ -332,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--minutes", type=float, default=0.0, help="stop (and checkpoint) after this long")
     p.add_argument("--teacher", default=None, help="HF dir of the target to distill from (draft)")
     p.add_argument("--kl-weight", type=float, default=0.7)
+    p.add_argument("--kl-from", type=int, default=None, help="first distillation step (default: 2/3 of --steps)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -351,10 +356,11 @@ def main(argv: list[str] | None = None) -> None:
             teacher = args.teacher
             if role == "draft" and teacher is None and args.stage == "all":
                 teacher = str(WORK / "target-export")
-            defaults = {"target": (900, 1e-3), "draft": (1200, 3e-3)}[role]
+            defaults = {"target": (600, 1e-3), "draft": (1500, 3e-3)}[role]
+            steps = args.steps or defaults[0]
             targs = TrainArgs(
                 role=role,
-                steps=args.steps or defaults[0],
+                steps=steps,
                 batch=args.batch,
                 seq_len=args.seq_len,
                 lr=args.lr or defaults[1],
@@ -363,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
                 minutes=args.minutes,
                 teacher=teacher if role == "draft" else None,
                 kl_weight=args.kl_weight,
+                kl_from=args.kl_from if args.kl_from is not None else (2 * steps) // 3,
                 seed=args.seed,
             )
             train(targs, tokenize_corpus(corpus, tok_dir, tokens_path), tok_dir)

@@ -29,6 +29,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from services.engine.builder import ModelSpec, build_engine
+    from services.engine.chat import encode_chat, encode_text
     from services.engine.engine import EngineConfig, Request, SpecConfig
     from services.engine.sampling import SamplingParams
 
@@ -37,11 +38,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = build_engine(spec, EngineConfig(max_batch_size=1))
     tok = engine.tokenizer
     if args.chat:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        if isinstance(prompt_ids, dict):
-            prompt_ids = prompt_ids["input_ids"]
+        prompt_ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
     else:
-        prompt_ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = encode_text(tok, args.prompt)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,

@@ -100,7 +100,8 @@ class NGramDrafter:
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
         guesses = [self.lookup(r.tokens, r.k) if r.k > 0 else [] for r in rows]
-        width = max((r.k for r in rows), default=0)
+        # Only as wide as the longest match: no match anywhere means a plain one-token target step.
+        width = max((len(g) for g in guesses), default=0)
         return Proposal(_pad(guesses, width), None)
 
 

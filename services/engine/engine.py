@@ -228,9 +228,12 @@ class Engine:
         return max(0, min(seq.req.spec.k, remaining - 1))
 
     def _propose(self, seqs: list[_Seq], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, K = len(seqs), max(ks)
-        guesses = torch.full((B, K), -1, dtype=torch.long, device=self.device)
-        q: torch.Tensor | None = None
+        """Guesses [B, K] (-1 = none) and model-draft probabilities [B, K, V] (None if no model drafted).
+
+        K is the widest block actually proposed, so rounds without guesses verify a single token.
+        """
+        B = len(seqs)
+        proposals = []
         for method in ("draft", "ngram"):
             idx = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and s.req.spec.method == method]
             if not idx:
@@ -246,9 +249,12 @@ class Engine:
                 for i in idx
             ]
             sampling = BatchSampling.from_params([seqs[i].req.params for i in idx], self.device)
-            prop = self.drafters[method].propose(rows, sampling)
+            proposals.append((torch.tensor(idx, device=self.device), self.drafters[method].propose(rows, sampling)))
+        K = max((p.token_ids.shape[1] for _, p in proposals), default=0)
+        guesses = torch.full((B, K), -1, dtype=torch.long, device=self.device)
+        q: torch.Tensor | None = None
+        for idx_t, prop in proposals:
             width = prop.token_ids.shape[1]
-            idx_t = torch.tensor(idx, device=self.device)
             guesses[idx_t, :width] = prop.token_ids.to(self.device)
             if prop.probs is not None:
                 if q is None:

@@ -19,6 +19,7 @@ class SpecStats:
     accepted_tokens: int = 0
     target_forward_passes: int = 0  # verification rounds (prefill is not counted)
     emitted_tokens: int = 0
+    rejections: int = 0  # rounds that ended on a rejected guess (the rest accepted all they made)
     accepted_per_position: list[int] = field(default_factory=list)  # [j] = times guess j+1 was accepted
     proposed_per_position: list[int] = field(default_factory=list)  # [j] = times guess j+1 was made
 
@@ -36,6 +37,7 @@ class SpecStats:
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
+        self.rejections += int(accepted < proposed)
         for per_pos, upto in ((self.proposed_per_position, proposed), (self.accepted_per_position, accepted)):
             if len(per_pos) < upto:
                 per_pos.extend([0] * (upto - len(per_pos)))
@@ -48,6 +50,7 @@ class SpecStats:
         self.accepted_tokens += other.accepted_tokens
         self.target_forward_passes += other.target_forward_passes
         self.emitted_tokens += other.emitted_tokens
+        self.rejections += other.rejections
         for mine, theirs in (
             (self.accepted_per_position, other.accepted_per_position),
             (self.proposed_per_position, other.proposed_per_position),

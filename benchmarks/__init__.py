@@ -1,0 +1,1 @@
+"""Benchmarks: engine (specd bench) and, later, end-to-end."""

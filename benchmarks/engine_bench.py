@@ -1,0 +1,355 @@
+"""``specd bench``: baselines and specd side by side, in one run, on a fixed prompt set.
+
+Modes, each at temperature 0 (greedy) and 0.8, one request at a time (latency, batch 1):
+
+- ``specd-target-only``: our engine with speculation off (the same code path); the baseline;
+- ``hf-generate``: ``transformers`` ``generate()`` on the target alone;
+- ``hf-assisted``: ``transformers`` assisted generation with the draft as ``assistant_model``;
+- ``specd-draft`` / ``specd-ngram``: our engine with the draft model / n-gram lookup, for each k.
+
+Every request generates exactly ``max_tokens`` tokens (EOS ignored) so all modes do the same work.
+Reported per mode: tokens/s, speed-up against ``specd-target-only``, acceptance rate
+(accepted/proposed), tokens per target forward, and the Leviathan prediction
+``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` from the measured per-token acceptance ``a`` and cost ratio
+``c`` (draft step / target step, timed in this run).
+
+``a`` is estimated as S / (S + F): S accepted guesses, F rejections (rounds that stopped early). It
+is the maximum-likelihood per-token acceptance if acceptances were i.i.d.; accepted/proposed is
+lower because guesses after a rejection are never tested.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.engine.builder import DTYPES, ModelSpec, build_engine
+from services.engine.chat import encode_chat, encode_text
+from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from services.engine.model import BatchLayout
+from services.engine.sampling import SamplingParams
+from services.engine.stats import SpecStats
+
+CODE_PROMPTS = [
+    'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n',
+    'class LRUCache:\n    """A least-recently-used cache with a fixed capacity."""\n\n'
+    "    def __init__(self, capacity):\n",
+    'import os\nimport sys\n\n\ndef main(argv=None):\n    """Parse the command line and run."""\n'
+    "    if argv is None:\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
+    'def read_config(path):\n    """Read a configuration file and return a dict of its sections."""\n'
+    "    with open(path",
+    "        try:\n            result = self._sock.recv(bufsize)\n        except OSError as exc:\n",
+]
+PROSE_QUESTIONS = [
+    "Explain `json.dumps`.",
+    "What does `os.path.join` do?",
+    "Describe the function `heapq.heappush` from the `heapq` module.",
+    "How do I use `itertools.groupby`?",
+]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run; defaults are the full benchmark on the demo pair."""
+
+    target: str
+    draft: str
+    dtype: str = "bfloat16"
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    max_tokens: int = 96
+    temperatures: tuple[float, ...] = (0.0, 0.8)
+    repeats: int = 1
+    out_dir: str = "benchmarks/results"
+    quick: bool = False
+    include_hf: bool = True
+    seed: int = 0
+
+
+@dataclass
+class ModeResult:
+    """One mode at one temperature (and k), summed over the prompt set."""
+
+    mode: str
+    temperature: float
+    k: int
+    category: str  # "code" | "prose"
+    tokens: int = 0
+    seconds: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _prompts(engine: Engine, quick: bool) -> dict[str, list[tuple[int, ...]]]:
+    tok = engine.tokenizer
+    code = [tuple(encode_text(tok, p)) for p in CODE_PROMPTS]
+    prose = [tuple(encode_chat(tok, [{"role": "user", "content": q}])) for q in PROSE_QUESTIONS]
+    if quick:
+        return {"code": code[:1], "prose": prose[:1]}
+    return {"code": code, "prose": prose}
+
+
+def _params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+
+
+def run_specd(engine: Engine, prompts, method: str, k: int, temperature: float, cfg: BenchConfig) -> ModeResult:
+    """Each prompt alone (batch 1), timed from submission to the last token."""
+    name = {"none": "specd-target-only", "draft": "specd-draft", "ngram": "specd-ngram"}[method]
+    res = ModeResult(name, temperature, k, "")
+    for i, ids in enumerate(prompts):
+        for r in range(cfg.repeats):
+            req = Request(
+                f"{name}-{k}-{i}-{r}", ids, _params(temperature, cfg.max_tokens, cfg.seed + i), SpecConfig(method, k)
+            )
+            t0 = time.perf_counter()
+            out = engine.generate([req])[req.request_id]
+            res.seconds += time.perf_counter() - t0
+            res.tokens += len(out.token_ids)
+            res.stats.merge(out.stats)
+    return res
+
+
+def run_hf(hf_target, hf_draft, prompts, temperature: float, cfg: BenchConfig) -> ModeResult:
+    """transformers generate(), with assistant_model when hf_draft is given."""
+    name = "hf-assisted" if hf_draft is not None else "hf-generate"
+    res = ModeResult(name, temperature, 0, "")
+    from transformers import GenerationConfig
+
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    gen = GenerationConfig(
+        max_new_tokens=cfg.max_tokens, min_new_tokens=cfg.max_tokens, pad_token_id=0, eos_token_id=None, **sampling
+    )
+    kw: dict = {"generation_config": gen}
+    if hf_draft is not None:
+        kw["assistant_model"] = hf_draft
+    for i, ids in enumerate(prompts):
+        for _ in range(cfg.repeats):
+            torch.manual_seed(cfg.seed + i)
+            x = torch.tensor([ids])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = hf_target.generate(x, attention_mask=torch.ones_like(x), **kw)
+            res.seconds += time.perf_counter() - t0
+            res.tokens += out.shape[1] - len(ids)
+    return res
+
+
+def _median_forward_ms(model, T: int, context: int = 200, reps: int = 30) -> float:
+    cache = model.new_cache(1, context + T + 1)
+    slot = cache.allocate()
+    ids = torch.randint(3, model.info.vocab_size, (1, T), device=model.device)
+    times = []
+    for i in range(reps + 5):
+        t0 = time.perf_counter()
+        model.forward(ids, cache, BatchLayout([slot], [context], T, model.device), "all")
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def measure_costs(engine: Engine, ks: tuple[int, ...]) -> dict:
+    """Per-forward latencies (ms) of the draft (1 token) and the target (1 and k+1 tokens)."""
+    draft = engine.drafters["draft"].model
+    out = {"draft_1": _median_forward_ms(draft, 1), "target_1": _median_forward_ms(engine.target, 1)}
+    for k in ks:
+        out[f"target_{k + 1}"] = _median_forward_ms(engine.target, k + 1)
+    out["c"] = out["draft_1"] / out["target_1"]
+    return out
+
+
+def alpha_hat(stats: SpecStats) -> float:
+    """Per-token acceptance S / (S + F): S accepted guesses, F rounds that ended on a rejected guess."""
+    tested = stats.accepted_tokens + stats.rejections
+    return stats.accepted_tokens / tested if tested else 0.0
+
+
+def leviathan(a: float, k: int, c: float) -> tuple[float, float]:
+    """(expected tokens per target forward, wall-clock speed-up) for acceptance a, block k, cost c."""
+    tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+    return tokens, tokens / (k * c + 1)
+
+
+def run_engine_bench(cfg: BenchConfig) -> dict:
+    """Run everything, print a table, write JSON and a PNG; returns the JSON document."""
+    torch.manual_seed(cfg.seed)
+    engine = build_engine(
+        ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype),
+        EngineConfig(max_batch_size=2, max_model_len=1024),
+    )
+    prompt_sets = _prompts(engine, cfg.quick)
+    hf_target = hf_draft = None
+    if cfg.include_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=DTYPES[cfg.dtype]).eval()
+        hf_draft = AutoModelForCausalLM.from_pretrained(cfg.draft, dtype=torch.float32).eval()
+
+    # Warm-up: first calls pay for kernel selection and allocation.
+    warm = prompt_sets["code"][0]
+    for method in ("none", "draft", "ngram"):
+        for t in cfg.temperatures:
+            engine.generate([Request(f"warm-{method}-{t}", warm, _params(t, 8, 0), SpecConfig(method, 4))])
+    costs = measure_costs(engine, cfg.ks)
+
+    results: list[ModeResult] = []
+    for category, prompts in prompt_sets.items():
+        for t in cfg.temperatures:
+            runs = [run_specd(engine, prompts, "none", 0, t, cfg)]
+            if hf_target is not None:
+                runs.append(run_hf(hf_target, None, prompts, t, cfg))
+                runs.append(run_hf(hf_target, hf_draft, prompts, t, cfg))
+            for k in cfg.ks:
+                runs.append(run_specd(engine, prompts, "draft", k, t, cfg))
+                runs.append(run_specd(engine, prompts, "ngram", k, t, cfg))
+            for r in runs:
+                r.category = category
+                print(_row(r, runs[0], costs), flush=True)
+            results += runs
+
+    doc = _document(cfg, costs, results)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+    _plot(doc, out / "engine_bench.png")
+    print(f"wrote {out / 'engine_bench.json'} and {out / 'engine_bench.png'}")
+    return doc
+
+
+def _summary(r: ModeResult, base: ModeResult, costs: dict) -> dict:
+    s = r.stats
+    row = {
+        "mode": r.mode,
+        "category": r.category,
+        "temperature": r.temperature,
+        "k": r.k,
+        "tokens": r.tokens,
+        "seconds": round(r.seconds, 4),
+        "tokens_per_second": round(r.tokens_per_second, 2),
+        "speedup_vs_specd_target_only": round(r.tokens_per_second / base.tokens_per_second, 3),
+    }
+    if r.mode.startswith("specd") and s.target_forward_passes:
+        a = alpha_hat(s)
+        row.update(
+            acceptance_rate=round(s.acceptance_rate, 4),
+            alpha_hat=round(a, 4),
+            tokens_per_target_forward=round(s.tokens_per_forward, 3),
+            accepted_per_position=s.accepted_per_position,
+            proposed_per_position=s.proposed_per_position,
+        )
+        if r.k:
+            c = costs["c"] if r.mode == "specd-draft" else 0.0  # n-gram lookup costs ~nothing
+            tokens, speedup = leviathan(a, r.k, c)
+            row.update(predicted_tokens_per_forward=round(tokens, 3), predicted_speedup=round(speedup, 3))
+    return row
+
+
+def _row(r: ModeResult, base: ModeResult, costs: dict) -> str:
+    d = _summary(r, base, costs)
+    extra = ""
+    if "acceptance_rate" in d and r.k:
+        extra = (
+            f" acc={d['acceptance_rate']:.2f} a={d['alpha_hat']:.2f} tok/fwd={d['tokens_per_target_forward']:.2f}"
+            f" (pred {d['predicted_tokens_per_forward']:.2f}) pred_speedup={d['predicted_speedup']:.2f}"
+        )
+    return (
+        f"{r.category:5s} T={r.temperature:<3} {r.mode:18s} k={r.k} {d['tokens_per_second']:7.1f} tok/s "
+        f"x{d['speedup_vs_specd_target_only']:.2f}{extra}"
+    )
+
+
+def _document(cfg: BenchConfig, costs: dict, results: list[ModeResult]) -> dict:
+    rows = []
+    for category in ("code", "prose"):
+        for t in cfg.temperatures:
+            group = [r for r in results if r.category == category and r.temperature == t]
+            if not group:
+                continue
+            base = next(r for r in group if r.mode == "specd-target-only")
+            rows += [_summary(r, base, costs) for r in group]
+    best = {}
+    for category in ("code", "prose"):
+        for t in cfg.temperatures:
+            cands = [
+                r for r in rows if r["category"] == category and r["temperature"] == t and r["mode"] == "specd-draft"
+            ]
+            if not cands:
+                continue
+            top = max(cands, key=lambda r: r["tokens_per_second"])
+            hf = next(
+                (r for r in rows if r["category"] == category and r["temperature"] == t and r["mode"] == "hf-assisted"),
+                None,
+            )
+            best[f"{category}/T={t}"] = {
+                "best_k": top["k"],
+                "speedup_vs_specd_target_only": top["speedup_vs_specd_target_only"],
+                "tokens_per_second": top["tokens_per_second"],
+                "vs_hf_assisted": round(top["tokens_per_second"] / hf["tokens_per_second"], 3) if hf else None,
+            }
+    return {
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "costs_ms": {k: round(v, 4) for k, v in costs.items()},
+        "best_draft": best,
+        "rows": rows,
+    }
+
+
+def _plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = doc["rows"]
+    for (category, t, mode), style in _series(rows).items():
+        pts = sorted((r["k"], r["speedup_vs_specd_target_only"]) for r in style)
+        label = f"{mode.replace('specd-', '')} {category} T={t}"
+        line = ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)[0]
+        if mode == "specd-draft":
+            pred = sorted((r["k"], r["predicted_speedup"]) for r in style)
+            ax1.plot([p[0] for p in pred], [p[1] for p in pred], ls=":", color=line.get_color())
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set_xlabel("k (guesses per round)")
+    ax1.set_ylabel("speed-up vs specd target-only")
+    ax1.set_title("Speed-up vs k (dotted: Leviathan prediction, draft)")
+    ax1.legend(fontsize=7)
+    for key, best in doc["best_draft"].items():
+        category, t = key.split("/T=")
+        row = next(
+            r
+            for r in rows
+            if r["mode"] == "specd-draft"
+            and r["category"] == category
+            and str(r["temperature"]) == t
+            and r["k"] == best["best_k"]
+        )
+        prop, acc = row["proposed_per_position"], row["accepted_per_position"]
+        rate = [a / p if p else 0 for a, p in zip(acc, prop)]
+        ax2.plot(range(1, len(rate) + 1), rate, marker="o", label=f"{key} (k={best['best_k']})")
+    ax2.set_xlabel("guess position")
+    ax2.set_ylabel("P(accepted | made)")
+    ax2.set_ylim(0, 1)
+    ax2.set_title("Acceptance by position (draft, best k)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _series(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        if r["mode"] in ("specd-draft", "specd-ngram"):
+            out.setdefault((r["category"], r["temperature"], r["mode"]), []).append(r)
+    return out
