@@ -315,6 +315,12 @@ def export(role: str, tok_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out_dir)
+    # Newer transformers write the template to chat_template.jinja; older ones read it only from
+    # tokenizer_config.json. Keep it in both so any version loads the chat format.
+    tcfg_path = out_dir / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text())
+    tcfg["chat_template"] = CHAT_TEMPLATE
+    tcfg_path.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
     meta = {"trained_steps": state["step"], "train_args": state["args"]}
     (out_dir / "specd_training.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"exported {role} ({dtype}) step {state['step']} -> {out_dir}")

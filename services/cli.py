@@ -135,8 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:  # bad arguments or models: a clear message, not a traceback
+        parser.exit(2, f"specd {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

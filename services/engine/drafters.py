@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from services.engine.model import BatchLayout, CausalLM
-from services.engine.sampling import BatchSampling, per_row_exponential, processed_probs, sample_from
+from services.engine.sampling import BatchSampling, processed_probs, sample_from, uniforms
 
 
 @dataclass
@@ -169,7 +169,7 @@ class ModelDrafter:
         starts = [s.cache_len for s in states]
         greedy = torch.tensor([r.greedy for r in rows], device=device)
         any_sampled = not all(r.greedy for r in rows)
-        noise = per_row_exponential((K, self.vocab_size), [r.generator for r in rows], device) if any_sampled else None
+        u = uniforms((K,), [r.generator for r in rows], B, device) if any_sampled else None  # [B, K]
 
         logits = self.model.forward(inp.to(device), self.cache, BatchLayout(slots, starts, M, device), "all")
         logits = logits[torch.arange(B, device=device), last_idx].unsqueeze(1)  # [B, 1, V]
@@ -177,7 +177,7 @@ class ModelDrafter:
         for j in range(K):
             if any_sampled:
                 q = processed_probs(logits, sampling)[:, 0]  # [B, V]
-                tok = torch.where(greedy, logits[:, 0].argmax(-1), sample_from(q, noise[:, j]))
+                tok = torch.where(greedy, logits[:, 0].argmax(-1), sample_from(q, u[:, j]))
                 probs.append(q)
             else:
                 tok = logits[:, 0].argmax(-1)

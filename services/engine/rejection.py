@@ -17,21 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.sampling import exponential_noise, per_row_exponential, per_row_uniform, sample_from
+from services.engine.sampling import sample_from, uniforms
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
-
-
-def _uniform(shape: tuple[int, ...], generator: Generators, device: torch.device) -> torch.Tensor:
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(shape, generator=generator, device=device)
-    return per_row_uniform(shape[1:], generator, device)
-
-
-def _exponential(shape: tuple[int, ...], generator: Generators, device: torch.device) -> torch.Tensor:
-    if generator is None or isinstance(generator, torch.Generator):
-        return exponential_noise(shape, generator, device)
-    return per_row_exponential(shape[1:], generator, device)
 
 
 def _emit(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
@@ -84,10 +72,10 @@ def rejection_sample(
     else:
         q_d = draft_probs.gather(-1, safe_ids).squeeze(-1)  # [B, k]
 
-    # Noise for the final token is drawn before the uniforms: its size (V) never changes, so with
-    # a fresh generator per round a row's uniforms are the same whatever the batch's k is.
-    exp_noise = _exponential((B, V), generator, device)  # [B, V]
-    u = _uniform((B, k), generator, device)  # [B, k]
+    # One uniform for the final token, then one per guess: the final one comes first so that, with
+    # a fresh generator per round, a row's draws are the same whatever the batch's k is.
+    u_all = uniforms((k + 1,), generator, B, device)  # [B, k+1]
+    u_final, u = u_all[:, 0], u_all[:, 1:]
     # Strict '<' so that p_d == 0 is never accepted, even when u == 0.
     accepted = has_draft & (u * q_d < p_d)
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B], length of the accepted prefix
@@ -108,7 +96,7 @@ def rejection_sample(
         q_sel = draft_probs[rows, at] if k > 0 else torch.zeros_like(p_sel)
     q_sel = q_sel * rejected_here.unsqueeze(1).to(q_sel.dtype)
     residual = recovered_distribution(p_sel, q_sel)  # [B, V]
-    final = sample_from(residual, exp_noise)  # [B]
+    final = sample_from(residual, u_final)  # [B]
     return _emit(draft_token_ids, num_accepted, final), num_accepted + 1
 
 

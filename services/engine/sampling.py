@@ -120,38 +120,31 @@ def round_generator(request_generator: torch.Generator) -> torch.Generator:
     return make_generator(seed, request_generator.device)
 
 
-def per_row_uniform(
-    shape_tail: tuple[int, ...], generators: Sequence[torch.Generator | None], device: torch.device | str
+def uniforms(
+    shape_tail: tuple[int, ...],
+    generator: torch.Generator | Sequence[torch.Generator | None] | None,
+    batch: int,
+    device: torch.device | str,
 ) -> torch.Tensor:
-    """Uniform [0, 1) noise [B, *shape_tail], row b drawn from generators[b].
+    """Float64 uniforms in [0, 1), [batch, *shape_tail].
 
-    The loop is over requests, not tokens: each request must consume its own random stream so that
-    seeded output does not depend on batch composition.
+    ``generator`` is one generator for the whole batch (or None: the global one), or one per row.
+    With one per row the loop is over requests, not tokens: each request consumes its own random
+    stream, so seeded output does not depend on batch composition.
     """
-    return torch.stack([torch.rand(shape_tail, generator=g, device=device) for g in generators])
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand((batch, *shape_tail), generator=generator, dtype=torch.float64, device=device)
+    return torch.stack([torch.rand(shape_tail, generator=g, dtype=torch.float64, device=device) for g in generator])
 
 
-def exponential_noise(
-    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str
-) -> torch.Tensor:
-    """Exp(1) noise of ``shape`` from one generator, in one call."""
-    # float64 draws: a float32 Exp(1) is exactly 0 with probability ~6e-8 per element, which over an
-    # 8k-150k vocabulary would bias the race by up to 1e-2; in float64 it is ~1e-16 per element.
-    out = torch.empty(shape, dtype=torch.float64, device=device).exponential_(generator=generator)
-    return out.clamp_min_(1e-300).float().clamp_min_(torch.finfo(torch.float32).tiny)
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from (unnormalised) ``probs`` [..., V] by inverting its CDF at u [...].
 
-
-def per_row_exponential(
-    shape_tail: tuple[int, ...], generators: Sequence[torch.Generator | None], device: torch.device | str
-) -> torch.Tensor:
-    """Exp(1) noise [B, *shape_tail], row b drawn from generators[b] (see :func:`per_row_uniform`)."""
-    return torch.stack([exponential_noise(shape_tail, g, device) for g in generators])
-
-
-def sample_from(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row from (unnormalised) ``probs`` [..., V] using Exp(1) noise of the same shape.
-
-    argmax(w_i / E_i) with E_i ~ Exp(1) picks i with probability w_i / sum(w): an exponential race.
-    It needs no normalisation and no host sync, unlike ``torch.multinomial`` with per-row generators.
+    One uniform per draw (not one per vocabulary entry as an exponential race would need), no
+    normalisation and no host sync. The float64 CDF keeps rounding far below any token's mass, and
+    a zero-probability token is never picked: its CDF step is flat.
     """
-    return (probs / exp_noise).argmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    x = (u * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    return idx.clamp_max(probs.shape[-1] - 1)

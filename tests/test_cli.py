@@ -1,0 +1,64 @@
+"""The ``specd`` command line, run as a real subprocess on the tiny pair."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_generate_json_output(tiny_pair) -> None:
+    target, draft = tiny_pair
+    common = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--max-tokens", "12", "--json"]
+    spec = _specd("generate", "--prompt", "def wrap(text):", *common, "--num-speculative-tokens", "3")
+    assert spec.returncode == 0, spec.stderr
+    doc = json.loads(spec.stdout)
+    assert set(doc["stats"]) >= {
+        "proposed_tokens",
+        "accepted_tokens",
+        "target_forward_passes",
+        "acceptance_rate",
+        "decode_seconds",
+        "tokens_per_second",
+    }
+    assert len(doc["token_ids"]) == 12 and isinstance(doc["text"], str)
+    assert doc["stats"]["proposed_tokens"] > 0
+    base = json.loads(_specd("generate", "--prompt", "def wrap(text):", *common, "--method", "none").stdout)
+    assert base["token_ids"] == doc["token_ids"]  # greedy: speculation changes nothing
+    assert base["stats"]["proposed_tokens"] == 0
+
+
+def test_generate_refuses_mismatched_draft(tiny_pair, micro_pair) -> None:
+    res = _specd("generate", "--prompt", "x", "--target", str(tiny_pair[0]), "--draft", str(micro_pair[1]))
+    assert res.returncode != 0 and "vocabulary" in res.stderr
+
+
+def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
+    target, draft = tiny_pair
+    res = _specd(
+        "bench", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--quick",
+        "--k", "1,3", "--max-tokens", "8", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "engine_bench.json").read_text())
+    modes = {r["mode"] for r in doc["rows"]}
+    assert modes == {"specd-target-only", "hf-generate", "hf-assisted", "specd-draft", "specd-ngram"}
+    draft_rows = [r for r in doc["rows"] if r["mode"] == "specd-draft"]
+    assert {r["k"] for r in draft_rows} == {1, 3}
+    for r in draft_rows:
+        assert {
+            "acceptance_rate",
+            "tokens_per_target_forward",
+            "predicted_speedup",
+            "speedup_vs_specd_target_only",
+        } <= set(r)
+    assert doc["costs_ms"]["c"] > 0
+    assert (tmp_path / "engine_bench.png").stat().st_size > 10_000
