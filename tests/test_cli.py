@@ -50,7 +50,11 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
     assert res.returncode == 0, res.stderr
     doc = json.loads((tmp_path / "engine_bench.json").read_text())
     modes = {r["mode"] for r in doc["rows"]}
-    assert modes == {"specd-target-only", "hf-generate", "hf-assisted", "specd-draft", "specd-ngram"}
+    assert modes == {
+        "specd-target-only", "hf-generate-bf16", "hf-assisted-bf16", "hf-generate-fp32", "hf-assisted-fp32",
+        "specd-draft", "specd-ngram",
+    }  # fmt: skip
+    assert doc["best_draft"]["code/T=0.0"]["vs_hf_assisted"] > 0
     draft_rows = [r for r in doc["rows"] if r["mode"] == "specd-draft"]
     assert {r["k"] for r in draft_rows} == {1, 3}
     for r in draft_rows:

@@ -178,11 +178,11 @@ class Engine:
         logits = self.target.forward(inputs.to(self.device), self.cache, layout, "all")  # [B, K+1, V]
         self.rounds += 1
         token_ids, num_emitted = self._verify(seqs, logits, guesses, q)
-        # The one host sync of the round.
-        host = torch.cat([token_ids, num_emitted.unsqueeze(1)], dim=1).tolist()
-        guessed = (guesses >= 0).sum(dim=1).tolist() if K else [0] * len(seqs)
-        for seq, row, proposed in zip(seqs, host, guessed):
-            outputs.append(self._emit(seq, row[: row[-1]], proposed))
+        # The one host sync of the round: tokens, how many to emit, how many guesses were made.
+        guessed = (guesses >= 0).sum(dim=1, keepdim=True)
+        host = torch.cat([token_ids, num_emitted.unsqueeze(1), guessed], dim=1).tolist()
+        for seq, row in zip(seqs, host):
+            outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1]))
         return outputs
 
     def _evict_aborted(self) -> list[StepOutput]:

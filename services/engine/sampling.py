@@ -64,18 +64,6 @@ class BatchSampling:
             needs_sort=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
         )
 
-    def select(self, rows: torch.Tensor | list[int]) -> BatchSampling:
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.temperature.device)
-        rows_l = idx.tolist()
-        sub_greedy = [self.greedy[i] for i in rows_l]
-        return BatchSampling(
-            self.temperature[idx],
-            self.top_k[idx],
-            self.top_p[idx],
-            sub_greedy,
-            needs_sort=bool(((self.top_k[idx] > 0) | (self.top_p[idx] < 1.0)).any()) if self.needs_sort else False,
-        )
-
 
 def processed_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """Turn raw logits into the distribution tokens are drawn from.
