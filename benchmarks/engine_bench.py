@@ -9,7 +9,8 @@ Modes, each at temperature 0 (greedy) and 0.8, one request at a time (latency, b
 
 ``transformers`` runs with the target in bf16 and in fp32 (the draft in fp32), and comparisons use
 whichever is faster, so no baseline is handicapped by a dtype choice of ours.
-- ``specd-draft`` / ``specd-ngram``: our engine with the draft model / n-gram lookup, for each k.
+- ``specd-draft`` / ``specd-ngram`` / ``specd-hybrid``: our engine with the draft model / n-gram
+  lookup / n-gram first and the draft model where it finds nothing, for each k.
 
 Every request generates exactly ``max_tokens`` tokens (EOS ignored) so all modes do the same work.
 Reported per mode: tokens/s, speed-up against ``specd-target-only``, acceptance rate
@@ -108,7 +109,9 @@ def _params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
 
 def run_specd(engine: Engine, prompts, method: str, k: int, temperature: float, cfg: BenchConfig) -> ModeResult:
     """Each prompt alone (batch 1), timed from submission to the last token."""
-    name = {"none": "specd-target-only", "draft": "specd-draft", "ngram": "specd-ngram"}[method]
+    name = {"none": "specd-target-only", "draft": "specd-draft", "ngram": "specd-ngram", "hybrid": "specd-hybrid"}[
+        method
+    ]
     res = ModeResult(name, temperature, k, "")
     for i, ids in enumerate(prompts):
         for r in range(cfg.repeats):
@@ -216,6 +219,7 @@ def run_engine_bench(cfg: BenchConfig) -> dict:
             for k in cfg.ks:
                 runs.append(run_specd(engine, prompts, "draft", k, t, cfg))
                 runs.append(run_specd(engine, prompts, "ngram", k, t, cfg))
+                runs.append(run_specd(engine, prompts, "hybrid", k, t, cfg))
             for r in runs:
                 r.category = category
                 print(_row(r, runs[0], costs), flush=True)
@@ -253,6 +257,8 @@ def _summary(r: ModeResult, base: ModeResult, costs: dict) -> dict:
         )
         if r.k:
             c = costs["c"] if r.mode == "specd-draft" else 0.0  # n-gram lookup costs ~nothing
+            if r.mode == "specd-hybrid":
+                c = costs["c"]  # an upper bound: rounds with an n-gram match skip the draft
             tokens, speedup = leviathan(a, r.k, c)
             row.update(predicted_tokens_per_forward=round(tokens, 3), predicted_speedup=round(speedup, 3))
     return row
@@ -359,6 +365,6 @@ def _plot(doc: dict, path: Path) -> None:
 def _series(rows: list[dict]) -> dict:
     out: dict = {}
     for r in rows:
-        if r["mode"] in ("specd-draft", "specd-ngram"):
+        if r["mode"] in ("specd-draft", "specd-ngram", "specd-hybrid"):
             out.setdefault((r["category"], r["temperature"], r["mode"]), []).append(r)
     return out

@@ -33,7 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from services.engine.engine import EngineConfig, Request, SpecConfig
     from services.engine.sampling import SamplingParams
 
-    draft = args.draft if args.method == "draft" else None
+    draft = args.draft if args.method in ("draft", "hybrid") else None
     spec = ModelSpec(target=args.target, draft=draft, target_dtype=args.dtype, device=args.device, backend=args.backend)
     engine = build_engine(spec, EngineConfig(max_batch_size=1))
     tok = engine.tokenizer
@@ -114,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text in-process (engine only)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--method", choices=["draft", "ngram", "none"], default="draft")
+    g.add_argument(
+        "--method",
+        choices=["draft", "ngram", "hybrid", "none"],
+        default="draft",
+        help="hybrid: n-gram lookup first, the draft model when it finds nothing",
+    )
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(g)

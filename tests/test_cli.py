@@ -52,7 +52,7 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
     modes = {r["mode"] for r in doc["rows"]}
     assert modes == {
         "specd-target-only", "hf-generate-bf16", "hf-assisted-bf16", "hf-generate-fp32", "hf-assisted-fp32",
-        "specd-draft", "specd-ngram",
+        "specd-draft", "specd-ngram", "specd-hybrid",
     }  # fmt: skip
     assert doc["best_draft"]["code/T=0.0"]["vs_hf_assisted"] > 0
     draft_rows = [r for r in doc["rows"] if r["mode"] == "specd-draft"]

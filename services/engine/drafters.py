@@ -49,8 +49,8 @@ class Drafter(Protocol):
     def add(self, seq_id: str, prompt_ids: list[int]) -> None:
         """Start tracking a sequence."""
 
-    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
-        """Guess up to ``row.k`` tokens for each row."""
+    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
+        """Guess up to ``row.k`` tokens for each row (``sampling`` matters only to model drafters)."""
 
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         """Verification kept the first ``num_accepted`` guesses of the last proposal."""
@@ -98,7 +98,7 @@ class NGramDrafter:
                 return arr[start : start + k].tolist()
         return []
 
-    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
+    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None = None) -> Proposal:
         guesses = [self.lookup(r.tokens, r.k) if r.k > 0 else [] for r in rows]
         # Only as wide as the longest match: no match anywhere means a plain one-token target step.
         width = max((len(g) for g in guesses), default=0)

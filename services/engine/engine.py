@@ -32,7 +32,9 @@ from services.engine.rejection import greedy_verify, rejection_sample
 from services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs, round_generator
 from services.engine.stats import SpecStats
 
-METHODS = ("draft", "ngram", "none")
+# "hybrid": n-gram lookup first; rows without a match this round ask the draft model.
+METHODS = ("draft", "ngram", "hybrid", "none")
+USES_DRAFT_MODEL = ("draft", "hybrid")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -144,8 +146,8 @@ class Engine:
         vocab = self.target.info.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if req.spec.method == "draft" and req.spec.k > 0 and "draft" not in self.drafters:
-            raise ValueError("speculation method 'draft' needs a draft model; none is loaded")
+        if req.spec.method in USES_DRAFT_MODEL and req.spec.k > 0 and "draft" not in self.drafters:
+            raise ValueError(f"speculation method {req.spec.method!r} needs a draft model; none is loaded")
         if req.request_id in self.running or any(w.request_id == req.request_id for w in self.waiting):
             raise ValueError(f"duplicate request id {req.request_id!r}")
 
@@ -171,18 +173,18 @@ class Engine:
             return outputs
         seqs = list(self.running.values())
         ks = [self._block_size(s) for s in seqs]
-        guesses, q = self._propose(seqs, ks)  # [B, K], [B, K, V] | None
+        guesses, q, from_model = self._propose(seqs, ks)  # [B, K], [B, K, V] | None, [B] host bools
         K = guesses.shape[1]
         inputs = torch.cat([torch.tensor([[s.tokens[-1]] for s in seqs]), guesses.clamp_min(0).cpu()], dim=1)
         layout = BatchLayout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
         logits = self.target.forward(inputs.to(self.device), self.cache, layout, "all")  # [B, K+1, V]
         self.rounds += 1
-        token_ids, num_emitted = self._verify(seqs, logits, guesses, q)
+        token_ids, num_emitted = self._verify(seqs, logits, guesses, q, from_model)
         # The one host sync of the round: tokens, how many to emit, how many guesses were made.
         guessed = (guesses >= 0).sum(dim=1, keepdim=True)
         host = torch.cat([token_ids, num_emitted.unsqueeze(1), guessed], dim=1).tolist()
-        for seq, row in zip(seqs, host):
-            outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1]))
+        for seq, row, drafted in zip(seqs, host, from_model):
+            outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], model_drafted=drafted))
         return outputs
 
     def _evict_aborted(self) -> list[StepOutput]:
@@ -217,9 +219,8 @@ class Engine:
                 detok=Detokenizer(self.tokenizer, req.params.stop),
                 prompt_len=len(prompt),
             )
-            drafter = self.drafters.get(req.spec.method)
-            if drafter is not None:
-                drafter.add(req.request_id, prompt)
+            if req.spec.method in USES_DRAFT_MODEL:
+                self.drafters["draft"].add(req.request_id, prompt)
             self.running[req.request_id] = seq
 
     def _block_size(self, seq: _Seq) -> int:
@@ -227,43 +228,60 @@ class Engine:
         remaining = min(seq.req.params.max_tokens - seq.generated, self.max_len - len(seq.tokens))
         return max(0, min(seq.req.spec.k, remaining - 1))
 
-    def _propose(self, seqs: list[_Seq], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Guesses [B, K] (-1 = none) and model-draft probabilities [B, K, V] (None if no model drafted).
+    def _propose(self, seqs: list[_Seq], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[bool]]:
+        """Guesses [B, K] (-1 = none), model-draft probabilities [B, K, V] (None if no model drafted),
+        and, per row, whether its guesses came from the draft model (else point masses or none).
 
         K is the widest block actually proposed, so rounds without guesses verify a single token.
         """
         B = len(seqs)
-        proposals = []
-        for method in ("draft", "ngram"):
-            idx = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and s.req.spec.method == method]
-            if not idx:
-                continue
-            rows = [
-                DraftRow(
-                    seqs[i].req.request_id,
-                    seqs[i].tokens,
-                    ks[i],
-                    seqs[i].req.params.greedy,
-                    None if seqs[i].req.params.greedy else round_generator(seqs[i].draft_generator),
-                )
-                for i in idx
-            ]
-            sampling = BatchSampling.from_params([seqs[i].req.params for i in idx], self.device)
-            proposals.append((torch.tensor(idx, device=self.device), self.drafters[method].propose(rows, sampling)))
-        K = max((p.token_ids.shape[1] for _, p in proposals), default=0)
-        guesses = torch.full((B, K), -1, dtype=torch.long, device=self.device)
+        active = [i for i, k in enumerate(ks) if k > 0]
+        # n-gram lookup first (plain "ngram" rows, and "hybrid" rows, which fall back to the model).
+        ngram_idx = [i for i in active if seqs[i].req.spec.method in ("ngram", "hybrid")]
+        matched: dict[int, torch.Tensor] = {}
+        if ngram_idx:
+            prop = self.drafters["ngram"].propose([self._draft_row(seqs[i], ks[i]) for i in ngram_idx], None)
+            for row, i in enumerate(ngram_idx):
+                if prop.token_ids.shape[1] and prop.token_ids[row, 0] >= 0:  # host tensor: no sync
+                    matched[i] = prop.token_ids[row]
+        model_idx = [
+            i
+            for i in active
+            if seqs[i].req.spec.method == "draft" or (seqs[i].req.spec.method == "hybrid" and i not in matched)
+        ]
+        model_prop = None
+        if model_idx:
+            sampling = BatchSampling.from_params([seqs[i].req.params for i in model_idx], self.device)
+            model_prop = self.drafters["draft"].propose([self._draft_row(seqs[i], ks[i]) for i in model_idx], sampling)
+        width_model = model_prop.token_ids.shape[1] if model_prop is not None else 0
+        K = max([width_model] + [int((g >= 0).sum()) for g in matched.values()])
+        guesses = torch.full((B, K), -1, dtype=torch.long)
+        for i, g in matched.items():
+            guesses[i, : g.shape[0]] = g
+        guesses = guesses.to(self.device)
         q: torch.Tensor | None = None
-        for idx_t, prop in proposals:
-            width = prop.token_ids.shape[1]
-            guesses[idx_t, :width] = prop.token_ids.to(self.device)
-            if prop.probs is not None:
-                if q is None:
-                    q = torch.zeros((B, K, prop.probs.shape[-1]), device=self.device)
-                q[idx_t, :width] = prop.probs
-        return guesses, q
+        if model_prop is not None:
+            idx_t = torch.tensor(model_idx, device=self.device)
+            guesses[idx_t, :width_model] = model_prop.token_ids.to(self.device)
+            if model_prop.probs is not None:
+                q = torch.zeros((B, K, model_prop.probs.shape[-1]), device=self.device)
+                q[idx_t, :width_model] = model_prop.probs
+        model_set = set(model_idx)
+        return guesses, q, [i in model_set for i in range(B)]
+
+    def _draft_row(self, seq: _Seq, k: int) -> DraftRow:
+        greedy = seq.req.params.greedy
+        # Each round draws from a fresh generator seeded by the request's draft stream.
+        gen = None if greedy else round_generator(seq.draft_generator)
+        return DraftRow(seq.req.request_id, seq.tokens, k, greedy, gen)
 
     def _verify(
-        self, seqs: list[_Seq], logits: torch.Tensor, guesses: torch.Tensor, q: torch.Tensor | None
+        self,
+        seqs: list[_Seq],
+        logits: torch.Tensor,
+        guesses: torch.Tensor,
+        q: torch.Tensor | None,
+        from_model: list[bool],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, K1 = logits.shape[0], logits.shape[1]
         token_ids = torch.full((B, K1), -1, dtype=torch.long, device=self.device)
@@ -274,29 +292,25 @@ class Engine:
             t, n = greedy_verify(logits[g], guesses[g])
             token_ids[g], num_emitted[g] = t, n
         # Sampled rows: model-drafted ones compare against q; n-gram / no-guess rows are point masses.
-        groups = {
-            True: [i for i, s in enumerate(seqs) if not s.req.params.greedy and s.req.spec.method == "draft"],
-            False: [i for i, s in enumerate(seqs) if not s.req.params.greedy and s.req.spec.method != "draft"],
-        }
-        for with_q, rows in groups.items():
+        sampled = [i for i, s in enumerate(seqs) if not s.req.params.greedy]
+        for with_q in (True, False):
+            rows = [i for i in sampled if from_model[i] == with_q]
             if not rows:
                 continue
             r = torch.tensor(rows, device=self.device)
             sampling = BatchSampling.from_params([seqs[i].req.params for i in rows], self.device)
             p = processed_probs(logits[r], sampling)  # [b, K+1, V]
-            # q is None only when no sampled row drafted this round; their guesses are then all -1.
-            draft_probs = q[r] if (with_q and q is not None) else None
+            draft_probs = q[r] if with_q else None
             t, n = rejection_sample(p, guesses[r], draft_probs, [round_generator(seqs[i].generator) for i in rows])
             token_ids[r], num_emitted[r] = t, n
         return token_ids, num_emitted
 
-    def _emit(self, seq: _Seq, new: list[int], proposed: int) -> StepOutput:
+    def _emit(self, seq: _Seq, new: list[int], proposed: int, model_drafted: bool) -> StepOutput:
         accepted = len(new) - 1
         seq.stats.record_round(proposed, accepted, len(new))
         self.totals.record_round(proposed, accepted, len(new))
-        drafter = self.drafters.get(seq.req.spec.method)
-        if isinstance(drafter, ModelDrafter) and proposed:
-            drafter.accepted(seq.req.request_id, accepted)
+        if model_drafted:
+            self.drafters["draft"].accepted(seq.req.request_id, accepted)
         params = seq.req.params
         reason = None
         if not params.ignore_eos:
@@ -321,9 +335,8 @@ class Engine:
     def _release(self, seq: _Seq) -> None:
         self.running.pop(seq.req.request_id, None)
         self.cache.release(seq.slot)
-        drafter = self.drafters.get(seq.req.spec.method)
-        if drafter is not None:
-            drafter.remove(seq.req.request_id)
+        if seq.req.spec.method in USES_DRAFT_MODEL:
+            self.drafters["draft"].remove(seq.req.request_id)
 
     # ------------------------------------------------------------------------ helpers
 

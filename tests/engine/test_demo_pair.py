@@ -96,7 +96,7 @@ def _tie_gap(hf, ids: tuple[int, ...], upto: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
 def test_greedy_speculation_is_token_identical_to_transformers(fp32_engine, hf_target, prompts, method) -> None:
     refs = []
     for ids in prompts:

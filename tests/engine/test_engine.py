@@ -47,7 +47,7 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
 def test_greedy_identity_with_transformers_for_k_1_to_8(engine: Engine, hf_target, method: str) -> None:
     refs = {p: _hf_greedy(hf_target, _ids(engine, p), 24) for p in PROMPTS}
     for k in range(1, 9):
@@ -71,7 +71,7 @@ def test_speculation_accepts_guesses_on_tiny_pair(engine: Engine) -> None:
 
 def test_batch_equals_each_alone_greedy_and_seeded(engine: Engine) -> None:
     """Different prompt lengths, methods, k and accept counts in one batch = each run alone."""
-    mixes = [("draft", 3), ("ngram", 5), ("none", 0), ("draft", 8), ("ngram", 2), ("draft", 1)]
+    mixes = [("draft", 3), ("ngram", 5), ("none", 0), ("hybrid", 8), ("ngram", 2), ("draft", 1)]
     params = [
         _greedy(30),
         SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=7, ignore_eos=True),

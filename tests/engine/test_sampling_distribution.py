@@ -23,7 +23,11 @@ from services.engine.sampling import BatchSampling, SamplingParams, processed_pr
 
 PROMPT = (3, 7, 5, 9)
 N_SAMPLES = 4000
-SETTINGS = [pytest.param(1.0, 1.0, id="T1.0"), pytest.param(0.7, 0.9, id="T0.7-top_p0.9")]
+SETTINGS = [
+    pytest.param(1.0, 1.0, "draft", id="T1.0-draft"),
+    pytest.param(0.7, 0.9, "draft", id="T0.7-top_p0.9-draft"),
+    pytest.param(1.0, 1.0, "hybrid", id="T1.0-hybrid"),  # rounds mix point-mass and model guesses
+]
 
 
 def _exact_joint(target_dir, params: SamplingParams) -> np.ndarray:
@@ -46,7 +50,7 @@ def _exact_joint(target_dir, params: SamplingParams) -> np.ndarray:
     return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
 
 
-def _sample_joint(pair, params: SamplingParams) -> np.ndarray:
+def _sample_joint(pair, params: SamplingParams, method: str = "draft") -> np.ndarray:
     target, draft = pair
     engine = build_engine(
         ModelSpec(str(target), str(draft), "float32"), EngineConfig(max_batch_size=64, max_model_len=64)
@@ -57,7 +61,7 @@ def _sample_joint(pair, params: SamplingParams) -> np.ndarray:
             f"r{i}",
             PROMPT,
             SamplingParams(params.temperature, params.top_k, params.top_p, seed=i, max_tokens=3, ignore_eos=True),
-            SpecConfig("draft", 3),
+            SpecConfig(method, 3),
         )
         for i in range(N_SAMPLES)
     ]
@@ -83,12 +87,12 @@ def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return stats.chisquare(obs_pooled, exp_pooled).pvalue
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), SETTINGS)
-def test_speculative_sampling_matches_target(micro_pair, temperature: float, top_p: float) -> None:
+@pytest.mark.parametrize(("temperature", "top_p", "method"), SETTINGS)
+def test_speculative_sampling_matches_target(micro_pair, temperature: float, top_p: float, method: str) -> None:
     params = SamplingParams(temperature=temperature, top_p=top_p)
     exact = _exact_joint(micro_pair[0], params)
     assert abs(exact.sum() - 1) < 1e-6
-    counts = _sample_joint(micro_pair, params)
+    counts = _sample_joint(micro_pair, params, method)
     assert _chi2_pvalue(counts, exact) > 1e-3
 
 
