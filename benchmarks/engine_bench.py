@@ -107,30 +107,28 @@ def _params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
 
 
-def run_specd(engine: Engine, prompts, method: str, k: int, temperature: float, cfg: BenchConfig) -> ModeResult:
-    """Each prompt alone (batch 1), timed from submission to the last token."""
-    name = {"none": "specd-target-only", "draft": "specd-draft", "ngram": "specd-ngram", "hybrid": "specd-hybrid"}[
-        method
-    ]
-    res = ModeResult(name, temperature, k, "")
+SPECD_MODES = {"none": "specd-target-only", "draft": "specd-draft", "ngram": "specd-ngram", "hybrid": "specd-hybrid"}
+
+
+def run_specd(engine: Engine, prompts, method: str, k: int, temperature: float, cfg: BenchConfig, res: ModeResult):
+    """Each prompt alone (batch 1), timed from submission to the last token; adds into ``res``."""
     for i, ids in enumerate(prompts):
-        for r in range(cfg.repeats):
-            req = Request(
-                f"{name}-{k}-{i}-{r}", ids, _params(temperature, cfg.max_tokens, cfg.seed + i), SpecConfig(method, k)
-            )
-            t0 = time.perf_counter()
-            out = engine.generate([req])[req.request_id]
-            res.seconds += time.perf_counter() - t0
-            res.tokens += len(out.token_ids)
-            res.stats.merge(out.stats)
-    return res
+        params = _params(temperature, cfg.max_tokens, cfg.seed + i)
+        req = Request(f"{res.mode}-{k}-{i}", ids, params, SpecConfig(method, k))
+        t0 = time.perf_counter()
+        out = engine.generate([req])[req.request_id]
+        res.seconds += time.perf_counter() - t0
+        res.tokens += len(out.token_ids)
+        res.stats.merge(out.stats)
 
 
-def run_hf(hf_target, hf_draft, prompts, temperature: float, cfg: BenchConfig) -> ModeResult:
-    """transformers generate(), with assistant_model when hf_draft is given."""
+def hf_mode(hf_target, assisted: bool) -> str:
     dtype = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[hf_target.dtype]
-    name = f"hf-assisted-{dtype}" if hf_draft is not None else f"hf-generate-{dtype}"
-    res = ModeResult(name, temperature, 0, "")
+    return f"hf-assisted-{dtype}" if assisted else f"hf-generate-{dtype}"
+
+
+def run_hf(hf_target, hf_draft, prompts, temperature: float, cfg: BenchConfig, res: ModeResult):
+    """transformers generate(), with assistant_model when hf_draft is given; adds into ``res``."""
     from transformers import GenerationConfig
 
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
@@ -141,15 +139,13 @@ def run_hf(hf_target, hf_draft, prompts, temperature: float, cfg: BenchConfig) -
     if hf_draft is not None:
         kw["assistant_model"] = hf_draft
     for i, ids in enumerate(prompts):
-        for _ in range(cfg.repeats):
-            torch.manual_seed(cfg.seed + i)
-            x = torch.tensor([ids])
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = hf_target.generate(x, attention_mask=torch.ones_like(x), **kw)
-            res.seconds += time.perf_counter() - t0
-            res.tokens += out.shape[1] - len(ids)
-    return res
+        torch.manual_seed(cfg.seed + i)
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf_target.generate(x, attention_mask=torch.ones_like(x), **kw)
+        res.seconds += time.perf_counter() - t0
+        res.tokens += out.shape[1] - len(ids)
 
 
 def _median_forward_ms(model, T: int, context: int = 200, reps: int = 30) -> float:
@@ -209,23 +205,32 @@ def run_engine_bench(cfg: BenchConfig) -> dict:
             engine.generate([Request(f"warm-{method}-{t}", warm, _params(t, 8, 0), SpecConfig(method, 4))])
     costs = measure_costs(engine, cfg.ks)
 
-    results: list[ModeResult] = []
-    for category, prompts in prompt_sets.items():
-        for t in cfg.temperatures:
-            runs = [run_specd(engine, prompts, "none", 0, t, cfg)]
-            for hf_target in hf_targets:
-                runs.append(run_hf(hf_target, None, prompts, t, cfg))
-                runs.append(run_hf(hf_target, hf_draft, prompts, t, cfg))
-            for k in cfg.ks:
-                runs.append(run_specd(engine, prompts, "draft", k, t, cfg))
-                runs.append(run_specd(engine, prompts, "ngram", k, t, cfg))
-                runs.append(run_specd(engine, prompts, "hybrid", k, t, cfg))
-            for r in runs:
-                r.category = category
-                print(_row(r, runs[0], costs), flush=True)
-            results += runs
+    # Every configuration runs once per repeat, interleaved, so slow drifts of this noisy machine
+    # spread over all modes instead of landing on one.
+    results: dict[tuple, ModeResult] = {}
+    for rep in range(cfg.repeats):
+        for category, prompts in prompt_sets.items():
+            for t in cfg.temperatures:
+                group: list[ModeResult] = []
 
-    doc = _document(cfg, costs, results)
+                def get(mode: str, k: int, category=category, t=t, group=group) -> ModeResult:
+                    key = (category, t, mode, k)
+                    if key not in results:
+                        results[key] = ModeResult(mode, t, k, category)
+                    group.append(results[key])
+                    return results[key]
+
+                run_specd(engine, prompts, "none", 0, t, cfg, get(SPECD_MODES["none"], 0))
+                for hf_target in hf_targets:
+                    for assist in (None, hf_draft):
+                        run_hf(hf_target, assist, prompts, t, cfg, get(hf_mode(hf_target, assist is not None), 0))
+                for k in cfg.ks:
+                    for method in ("draft", "ngram", "hybrid"):
+                        run_specd(engine, prompts, method, k, t, cfg, get(SPECD_MODES[method], k))
+                if rep == cfg.repeats - 1:
+                    for r in group:
+                        print(_row(r, group[0], costs), flush=True)
+    doc = _document(cfg, costs, list(results.values()))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -325,20 +330,23 @@ def _plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     rows = doc["rows"]
-    for (category, t, mode), style in _series(rows).items():
-        pts = sorted((r["k"], r["speedup_vs_specd_target_only"]) for r in style)
-        label = f"{mode.replace('specd-', '')} {category} T={t}"
-        line = ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)[0]
+    panels = {"code": axes[0], "prose": axes[1]}
+    for (category, t, mode), series in _series(rows).items():
+        ax = panels[category]
+        pts = sorted((r["k"], r["speedup_vs_specd_target_only"]) for r in series)
+        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode[6:]} T={t}")[0]
         if mode == "specd-draft":
-            pred = sorted((r["k"], r["predicted_speedup"]) for r in style)
-            ax1.plot([p[0] for p in pred], [p[1] for p in pred], ls=":", color=line.get_color())
-    ax1.axhline(1.0, color="grey", lw=0.8)
-    ax1.set_xlabel("k (guesses per round)")
-    ax1.set_ylabel("speed-up vs specd target-only")
-    ax1.set_title("Speed-up vs k (dotted: Leviathan prediction, draft)")
-    ax1.legend(fontsize=7)
+            pred = sorted((r["k"], r["predicted_speedup"]) for r in series)
+            ax.plot([p[0] for p in pred], [p[1] for p in pred], ls=":", color=line.get_color())
+    for category, ax in panels.items():
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("k (guesses per round)")
+        ax.set_ylabel("speed-up vs specd target-only")
+        ax.set_title(f"{category} prompts (dotted: Leviathan prediction, draft)")
+        ax.legend(fontsize=8)
+    ax2 = axes[2]
     for key, best in doc["best_draft"].items():
         category, t = key.split("/T=")
         row = next(
@@ -350,13 +358,15 @@ def _plot(doc: dict, path: Path) -> None:
             and r["k"] == best["best_k"]
         )
         prop, acc = row["proposed_per_position"], row["accepted_per_position"]
-        rate = [a / p if p else 0 for a, p in zip(acc, prop)]
+        # Guess j is tested only if guess j-1 was accepted (and it was made: blocks shrink near max_tokens).
+        reached = [prop[0]] + [min(a, p) for a, p in zip(acc[:-1], prop[1:])]
+        rate = [a / n if n else 0 for a, n in zip(acc, reached)]
         ax2.plot(range(1, len(rate) + 1), rate, marker="o", label=f"{key} (k={best['best_k']})")
     ax2.set_xlabel("guess position")
-    ax2.set_ylabel("P(accepted | made)")
+    ax2.set_ylabel("P(accepted | reached)")
     ax2.set_ylim(0, 1)
-    ax2.set_title("Acceptance by position (draft, best k)")
-    ax2.legend(fontsize=7)
+    ax2.set_title("Acceptance by position (draft model, best k)")
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

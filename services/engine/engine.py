@@ -18,7 +18,6 @@ last one is the first input of the next round.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.detokenize import Detokenizer
-from services.engine.drafters import DraftRow, ModelDrafter, NGramDrafter
+from services.engine.drafters import Drafter, DraftRow, ModelDrafter, NGramDrafter
 from services.engine.model import BatchLayout, CausalLM, check_same_vocab
 from services.engine.rejection import greedy_verify, rejection_sample
 from services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs, round_generator
@@ -123,7 +122,7 @@ class Engine:
         # Room for a full block of guesses past the last committed position.
         cache_len = self.max_len + MAX_SPECULATIVE_TOKENS + 2
         self.cache = target.new_cache(config.max_batch_size, cache_len)
-        self.drafters: dict[str, object] = {"ngram": NGramDrafter(config.ngram_min, config.ngram_max)}
+        self.drafters: dict[str, Drafter] = {"ngram": NGramDrafter(config.ngram_min, config.ngram_max)}
         if draft is not None:
             check_same_vocab(target.info, draft.info)
             self.drafters["draft"] = ModelDrafter(draft, config.max_batch_size, cache_len)
@@ -373,4 +372,3 @@ class GenerationResult:
     text: str = ""
     finish_reason: str | None = None
     stats: SpecStats | None = None
-    started: float = field(default_factory=time.perf_counter)
