@@ -174,9 +174,10 @@ class Engine:
         ks = [self._block_size(s) for s in seqs]
         guesses, q, from_model = self._propose(seqs, ks)  # [B, K], [B, K, V] | None, [B] host bools
         K = guesses.shape[1]
-        inputs = torch.cat([torch.tensor([[s.tokens[-1]] for s in seqs]), guesses.clamp_min(0).cpu()], dim=1)
+        last = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
+        inputs = torch.cat([last, guesses.clamp_min(0)], dim=1)  # [B, K+1], stays on the device
         layout = BatchLayout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
-        logits = self.target.forward(inputs.to(self.device), self.cache, layout, "all")  # [B, K+1, V]
+        logits = self.target.forward(inputs, self.cache, layout, "all")  # [B, K+1, V]
         self.rounds += 1
         token_ids, num_emitted = self._verify(seqs, logits, guesses, q, from_model)
         # The one host sync of the round: tokens, how many to emit, how many guesses were made.
