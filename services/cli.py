@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--k", default="1,2,3,4,5,6,7,8", help="speculative block sizes to sweep")
     b.add_argument("--max-tokens", type=int, default=96)
     b.add_argument("--temperatures", default="0,0.8")
-    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=2, help="interleaved passes over all modes, summed")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--quick", action="store_true", help="two prompts, short outputs (smoke test)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
