@@ -16,7 +16,12 @@ Every request generates exactly ``max_tokens`` tokens (EOS ignored) so all modes
 Reported per mode: tokens/s, speed-up against ``specd-target-only``, acceptance rate
 (accepted/proposed), tokens per target forward, and the Leviathan prediction
 ``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` from the measured per-token acceptance ``a`` and cost ratio
-``c`` (draft step / target step, timed in this run).
+``c`` (draft step / target step, timed in this run). Two refinements explain the gaps:
+
+- predicted tokens per forward weights the formula by the guess rate ``m`` (rounds that made any
+  guess): ``(1 - m) + m (1 - a^(k+1)) / (1 - a)``; n-gram lookup misses in many rounds;
+- ``predicted_speedup_measured_costs`` prices the round as measured, ``k`` draft steps plus one
+  ``(k+1)``-token target pass, instead of assuming verification costs one step.
 
 ``a`` is estimated as S / (S + F): S accepted guesses, F rejections (rounds that stopped early). It
 is the maximum-likelihood per-token acceptance if acceptances were i.i.d.; accepted/proposed is
@@ -261,11 +266,21 @@ def _summary(r: ModeResult, base: ModeResult, costs: dict) -> dict:
             proposed_per_position=s.proposed_per_position,
         )
         if r.k:
-            c = costs["c"] if r.mode == "specd-draft" else 0.0  # n-gram lookup costs ~nothing
-            if r.mode == "specd-hybrid":
-                c = costs["c"]  # an upper bound: rounds with an n-gram match skip the draft
+            # n-gram lookup costs ~nothing; for hybrid the draft's c is an upper bound.
+            c = 0.0 if r.mode == "specd-ngram" else costs["c"]
             tokens, speedup = leviathan(a, r.k, c)
-            row.update(predicted_tokens_per_forward=round(tokens, 3), predicted_speedup=round(speedup, 3))
+            # Rounds that made no guess (an n-gram miss, or the last token of a request) emit one token.
+            m = s.proposed_per_position[0] / s.target_forward_passes if s.proposed_per_position else 0.0
+            row.update(
+                guess_rate=round(m, 4),
+                predicted_tokens_per_forward=round((1 - m) + m * tokens, 3),
+                predicted_speedup=round(speedup, 3),
+            )
+            if r.mode == "specd-draft":
+                # The same formula with the verification pass priced as measured (k+1 tokens cost more
+                # than 1): round = k draft steps + one (k+1)-token target pass, against one 1-token pass.
+                round_cost = (r.k * costs["draft_1"] + costs[f"target_{r.k + 1}"]) / costs["target_1"]
+                row["predicted_speedup_measured_costs"] = round(((1 - m) + m * tokens) / round_cost, 3)
     return row
 
 
@@ -277,6 +292,8 @@ def _row(r: ModeResult, base: ModeResult, costs: dict) -> str:
             f" acc={d['acceptance_rate']:.2f} a={d['alpha_hat']:.2f} tok/fwd={d['tokens_per_target_forward']:.2f}"
             f" (pred {d['predicted_tokens_per_forward']:.2f}) pred_speedup={d['predicted_speedup']:.2f}"
         )
+        if "predicted_speedup_measured_costs" in d:
+            extra += f" (with measured verify cost {d['predicted_speedup_measured_costs']:.2f})"
     return (
         f"{r.category:5s} T={r.temperature:<3} {r.mode:18s} k={r.k} {d['tokens_per_second']:7.1f} tok/s "
         f"x{d['speedup_vs_specd_target_only']:.2f}{extra}"

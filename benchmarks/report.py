@@ -50,8 +50,8 @@ def sweep_table(doc: dict, mode: str = "specd-draft") -> str:
     """Every k for one mode: measured against predicted."""
     out = [
         "| prompts | T | k | tok/s | speed-up | acceptance | a (per token) | tokens/forward"
-        " | predicted tokens/forward | predicted speed-up |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " | predicted tokens/forward | Leviathan speed-up | with measured verify cost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         if r["mode"] != mode:
@@ -60,9 +60,13 @@ def sweep_table(doc: dict, mode: str = "specd-draft") -> str:
             f"| {r['category']} | {r['temperature']} | {r['k']} | {r['tokens_per_second']:.0f} | "
             f"x{r['speedup_vs_specd_target_only']:.2f} | {r['acceptance_rate']:.2f} | {r['alpha_hat']:.2f} | "
             f"{r['tokens_per_target_forward']:.2f} | {r['predicted_tokens_per_forward']:.2f} | "
-            f"x{r['predicted_speedup']:.2f} |"
+            f"x{r['predicted_speedup']:.2f} | {_opt(r.get('predicted_speedup_measured_costs'))} |"
         )
     return "\n".join(out)
+
+
+def _opt(x: float | None) -> str:
+    return f"x{x:.2f}" if x is not None else "-"
 
 
 def main(argv: list[str] | None = None) -> int:

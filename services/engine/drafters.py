@@ -14,7 +14,7 @@ distributions) or ``None`` for point-mass proposals.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -111,7 +111,6 @@ class _DraftSeq:
     cache_len: int  # positions of the draft cache holding committed tokens
     fed_until: int = 0  # cache positions written by the last proposal (committed or guessed)
     last_n: int = 0  # committed length when the last proposal was made
-    extra: dict = field(default_factory=dict)
 
 
 class ModelDrafter:
@@ -120,7 +119,6 @@ class ModelDrafter:
     def __init__(self, model: CausalLM, max_slots: int, max_len: int) -> None:
         self.model = model
         self.cache = model.new_cache(max_slots, max_len)
-        self.max_len = max_len
         self.seqs: dict[str, _DraftSeq] = {}
 
     @property
