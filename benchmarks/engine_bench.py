@@ -192,7 +192,7 @@ def run_engine_bench(cfg: BenchConfig) -> dict:
     """Run everything, print a table, write JSON and a PNG; returns the JSON document."""
     torch.manual_seed(cfg.seed)
     engine = build_engine(
-        ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype),
+        ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype, draft_dtype=cfg.dtype),
         EngineConfig(max_batch_size=2, max_model_len=1024),
     )
     prompt_sets = _prompts(engine, cfg.quick)

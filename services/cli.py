@@ -13,7 +13,12 @@ from services.engine.builder import DEMO_DRAFT, DEMO_TARGET, DTYPES
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=str(DEMO_TARGET), help="target model dir or hub id (default: demo target)")
     p.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model dir or hub id (default: demo draft)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="target dtype (draft runs fp32)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="dtype of both models; float32 is exact against transformers",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--backend", choices=["auto", "own", "transformers"], default="auto")
 
@@ -34,7 +39,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from services.engine.sampling import SamplingParams
 
     draft = args.draft if args.method in ("draft", "hybrid") else None
-    spec = ModelSpec(target=args.target, draft=draft, target_dtype=args.dtype, device=args.device, backend=args.backend)
+    spec = ModelSpec(
+        target=args.target,
+        draft=draft,
+        target_dtype=args.dtype,
+        draft_dtype=args.dtype,
+        device=args.device,
+        backend=args.backend,
+    )
     engine = build_engine(spec, EngineConfig(max_batch_size=1))
     tok = engine.tokenizer
     if args.chat:

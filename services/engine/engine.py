@@ -98,7 +98,6 @@ class _Seq:
     detok: Detokenizer
     prompt_len: int
     stats: SpecStats = field(default_factory=SpecStats)
-    finished: str | None = None
 
     @property
     def generated(self) -> int:
@@ -193,7 +192,6 @@ class Engine:
             self._aborted.discard(rid)
             if rid in self.running:
                 seq = self.running[rid]
-                seq.finished = "abort"
                 self._release(seq)
                 outs.append(StepOutput(rid, [], 0, "", True, "abort", seq.stats))
             else:
@@ -328,7 +326,6 @@ class Engine:
         seq.tokens.extend(new)
         if reason is not None:
             text += seq.detok.flush()
-            seq.finished = reason
             self._release(seq)
         return StepOutput(seq.req.request_id, new, min(accepted, len(new)), text, reason is not None, reason, seq.stats)
 

@@ -38,25 +38,14 @@ class LlamaShape:
 
 
 class Linear:
-    """y = x W^T (+ b), optionally through oneDNN with a weight packed once at load time.
+    """y = x W^T (+ b), optionally through oneDNN with a weight packed once at load time."""
 
-    With ``compute_dtype`` set, inputs are cast to it (the packed bf16 lm_head of an fp32 draft).
-    """
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, compute_dtype: torch.dtype | None = None
-    ) -> None:
-        if compute_dtype is not None:
-            weight = weight.to(compute_dtype)
-            bias = bias.to(compute_dtype) if bias is not None else None
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
         self.bias = bias
         self.prepacked = prepack
-        self.compute_dtype = compute_dtype
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if prepack else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -100,7 +89,6 @@ class LlamaLM:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         prepack: bool | None = None,
-        head_dtype: torch.dtype | None = None,
     ) -> None:
         self.shape = shape
         self.info = info
@@ -130,16 +118,7 @@ class LlamaLM:
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-        head = head.to(device=self.device, dtype=dtype).contiguous()
-        if head_dtype is not None and head_dtype != dtype:
-            # A small fp32 draft spends most of a step reading its vocabulary projection; packed
-            # bf16 reads half the bytes (135 -> 45 us for 8192x128 here). Drafts need no exact logits.
-            pack_head = (
-                self.device.type == "cpu" and head_dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            )
-            self.lm_head = Linear(head, None, pack_head, compute_dtype=head_dtype)
-        else:
-            self.lm_head = Linear(head, None, prepack)
+        self.lm_head = Linear(head.to(device=self.device, dtype=dtype).contiguous(), None, prepack)
         self.layers: list[_Layer] = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
@@ -217,13 +196,7 @@ class LlamaLM:
         return self.lm_head(_rms_norm(x, self.norm, s.rms_eps)).float()
 
 
-def load_llama(
-    hf_model,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    prepack: bool | None,
-    head_dtype: torch.dtype | None = None,
-) -> LlamaLM:
+def load_llama(hf_model, dtype: torch.dtype, device: torch.device | str, prepack: bool | None) -> LlamaLM:
     """Build a :class:`LlamaLM` from an already-loaded ``transformers`` Llama-family model."""
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -163,12 +163,10 @@ def _load_hf(name_or_path: str):
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).eval()
 
 
-def _own_llama(
-    hf_model, dtype: torch.dtype, device: torch.device | str, head_dtype: torch.dtype | None = None
-) -> CausalLM:
+def _own_llama(hf_model, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     from services.engine.llama import load_llama
 
-    return load_llama(hf_model, dtype, device, prepack=None, head_dtype=head_dtype)
+    return load_llama(hf_model, dtype, device, prepack=None)
 
 
 # model_type -> builder. Everything else falls back to transformers.
@@ -184,19 +182,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     backend: str = "auto",
-    head_dtype: torch.dtype | None = None,
 ) -> CausalLM:
-    """Load an HF causal LM by local path or hub id. ``backend``: "auto", "own" or "transformers".
-
-    ``head_dtype``: run the vocabulary projection in this dtype (own forward only; for drafts).
-    """
+    """Load an HF causal LM by local path or hub id. ``backend``: "auto", "own" or "transformers"."""
     hf_model = _load_hf(name_or_path)
     builder = BACKENDS.get(hf_model.config.model_type)
     if backend == "transformers" or (builder is None and backend == "auto"):
         return HFCausalLM(hf_model, dtype, device)
     if builder is None:
         raise ValueError(f"no own forward for model_type {hf_model.config.model_type!r}")
-    return builder(hf_model, dtype, device, head_dtype)
+    return builder(hf_model, dtype, device)
 
 
 def check_same_vocab(target: ModelInfo, draft: ModelInfo) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,8 +51,7 @@ class BatchSampling:
     temperature: torch.Tensor  # [B] float, greedy rows hold 1.0 (their probs are never sampled)
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B] float
-    greedy: list[bool] = field(default_factory=list)
-    needs_sort: bool = False  # any row with top-k or top-p
+    needs_sort: bool = False  # any sampled row with top-k or top-p
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
@@ -60,7 +59,6 @@ class BatchSampling:
             temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
-            greedy=[p.greedy for p in params],
             needs_sort=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
         )
 

@@ -51,7 +51,8 @@ TIE_GAP = 1e-3  # logit gap below which fp32 kernel-shape effects may legitimate
 def fp32_engine(demo_pair):
     target, draft = demo_pair
     return build_engine(
-        ModelSpec(str(target), str(draft), target_dtype="float32"), EngineConfig(max_batch_size=20, max_model_len=512)
+        ModelSpec(str(target), str(draft), target_dtype="float32", draft_dtype="float32"),
+        EngineConfig(max_batch_size=20, max_model_len=512),
     )
 
 

@@ -23,7 +23,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engine(tiny_pair) -> Engine:
     target, draft = tiny_pair
-    spec = ModelSpec(target=str(target), draft=str(draft), target_dtype="float32")
+    spec = ModelSpec(target=str(target), draft=str(draft), target_dtype="float32", draft_dtype="float32")
     return build_engine(spec, EngineConfig(max_batch_size=8, max_model_len=256))
 
 
@@ -118,7 +118,9 @@ def test_max_tokens_and_length_finish(engine: Engine) -> None:
 
 def test_context_limit_finishes_with_length(tiny_pair) -> None:
     target, draft = tiny_pair
-    eng = build_engine(ModelSpec(str(target), str(draft), "float32"), EngineConfig(max_batch_size=2, max_model_len=40))
+    eng = build_engine(
+        ModelSpec(str(target), str(draft), "float32", "float32"), EngineConfig(max_batch_size=2, max_model_len=40)
+    )
     ids = _ids(eng, PROMPTS[4])[:30]
     res = eng.generate([Request("ctx", ids, _greedy(100), SpecConfig("draft", 8))])["ctx"]
     assert res.finish_reason == "length" and len(ids) + len(res.token_ids) == 40
@@ -190,4 +192,4 @@ def test_bad_requests_are_refused(engine: Engine) -> None:
 
 def test_draft_with_other_vocabulary_is_refused(tiny_pair, micro_pair) -> None:
     with pytest.raises(VocabMismatchError, match="vocabulary"):
-        build_engine(ModelSpec(str(tiny_pair[0]), str(micro_pair[1]), "float32"))
+        build_engine(ModelSpec(str(tiny_pair[0]), str(micro_pair[1]), "float32", "float32"))

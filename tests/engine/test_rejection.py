@@ -118,12 +118,17 @@ def test_bonus_token_after_full_acceptance_comes_from_last_position() -> None:
     assert _first_token_chi2(tokens[:, 2:], p_last) > 1e-3
 
 
-def test_seeded_runs_repeat_exactly_and_per_row_generators_are_independent() -> None:
-    g = torch.Generator().manual_seed(0)
-    B, k, V = 8, 4, 30
+def _random_block(B: int, k: int, V: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random p [B, k+1, V], q [B, k, V] and guesses drawn from q."""
     tp = torch.softmax(torch.randn(B, k + 1, V, generator=g), -1)
     dp = torch.softmax(torch.randn(B, k, V, generator=g), -1)
     d = torch.multinomial(dp.reshape(-1, V), 1, generator=g).view(B, k)
+    return tp, d, dp
+
+
+def test_seeded_runs_repeat_exactly_and_per_row_generators_are_independent() -> None:
+    B, k = 8, 4
+    tp, d, dp = _random_block(B, k, 30, torch.Generator().manual_seed(0))
     a = rejection_sample(tp, d, dp, torch.Generator().manual_seed(42))
     b = rejection_sample(tp, d, dp, torch.Generator().manual_seed(42))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -136,10 +141,8 @@ def test_seeded_runs_repeat_exactly_and_per_row_generators_are_independent() -> 
 
 def test_output_layout_and_padding() -> None:
     g = torch.Generator().manual_seed(1)
-    B, k, V = 32, 5, 20
-    tp = torch.softmax(torch.randn(B, k + 1, V, generator=g), -1)
-    dp = torch.softmax(torch.randn(B, k, V, generator=g), -1)
-    d = torch.multinomial(dp.reshape(-1, V), 1, generator=g).view(B, k)
+    B, k = 32, 5
+    tp, d, dp = _random_block(B, k, 20, g)
     tokens, emitted = rejection_sample(tp, d, dp, g)
     assert tokens.shape == (B, k + 1) and emitted.shape == (B,)
     assert torch.all((emitted >= 1) & (emitted <= k + 1))

@@ -53,7 +53,7 @@ def _exact_joint(target_dir, params: SamplingParams) -> np.ndarray:
 def _sample_joint(pair, params: SamplingParams, method: str = "draft") -> np.ndarray:
     target, draft = pair
     engine = build_engine(
-        ModelSpec(str(target), str(draft), "float32"), EngineConfig(max_batch_size=64, max_model_len=64)
+        ModelSpec(str(target), str(draft), "float32", "float32"), EngineConfig(max_batch_size=64, max_model_len=64)
     )
     V = engine.target.info.vocab_size
     reqs = [
