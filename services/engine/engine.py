@@ -238,7 +238,8 @@ class Engine:
         ngram_idx = [i for i in active if seqs[i].req.spec.method in ("ngram", "hybrid")]
         matched: dict[int, torch.Tensor] = {}
         if ngram_idx:
-            prop = self.drafters["ngram"].propose([self._draft_row(seqs[i], ks[i]) for i in ngram_idx], None)
+            rows = [self._draft_row(seqs[i], ks[i], sampled_draft=False) for i in ngram_idx]
+            prop = self.drafters["ngram"].propose(rows, None)
             for row, i in enumerate(ngram_idx):
                 if prop.token_ids.shape[1] and prop.token_ids[row, 0] >= 0:  # host tensor: no sync
                     matched[i] = prop.token_ids[row]
@@ -250,7 +251,8 @@ class Engine:
         model_prop = None
         if model_idx:
             sampling = BatchSampling.from_params([seqs[i].req.params for i in model_idx], self.device)
-            model_prop = self.drafters["draft"].propose([self._draft_row(seqs[i], ks[i]) for i in model_idx], sampling)
+            rows = [self._draft_row(seqs[i], ks[i], sampled_draft=True) for i in model_idx]
+            model_prop = self.drafters["draft"].propose(rows, sampling)
         width_model = model_prop.token_ids.shape[1] if model_prop is not None else 0
         K = max([width_model] + [int((g >= 0).sum()) for g in matched.values()])
         guesses = torch.full((B, K), -1, dtype=torch.long)
@@ -267,10 +269,11 @@ class Engine:
         model_set = set(model_idx)
         return guesses, q, [i in model_set for i in range(B)]
 
-    def _draft_row(self, seq: _Seq, k: int) -> DraftRow:
+    def _draft_row(self, seq: _Seq, k: int, sampled_draft: bool) -> DraftRow:
         greedy = seq.req.params.greedy
-        # Each round draws from a fresh generator seeded by the request's draft stream.
-        gen = None if greedy else round_generator(seq.draft_generator)
+        # A model draft of a sampled row draws from a fresh generator seeded by the request's draft
+        # stream; n-gram lookups and greedy rows use no randomness, so they take no draw.
+        gen = round_generator(seq.draft_generator) if sampled_draft and not greedy else None
         return DraftRow(seq.req.request_id, seq.tokens, k, greedy, gen)
 
     def _verify(
