@@ -9,6 +9,9 @@ PY=${PYTHON:-python3}
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || pip install torch==2.13.0
+# The gRPC stubs are generated, never committed: protoc runs before the package is installed.
+pip install "grpcio-tools>=1.60"
+.venv/bin/python scripts/gen_proto.py
 extra=""
 [ "${1:-}" = "dev" ] && extra="[dev]"
 pip install -e ".${extra}"

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from services.engine.builder import DEMO_DRAFT, DEMO_TARGET, DTYPES
+from services.paths import DEMO_DRAFT, DEMO_TARGET, DTYPE_NAMES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model dir or hub id (default: demo draft)")
     p.add_argument(
         "--dtype",
-        choices=sorted(DTYPES),
+        choices=sorted(DTYPE_NAMES),
         default="bfloat16",
         help="dtype of both models; float32 is exact against transformers",
     )
@@ -119,6 +119,114 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.common.runtime import configure_torch_threads
+    from services.draft.server import DraftServerConfig, serve
+
+    configure_torch_threads(args.threads)
+    cfg = DraftServerConfig(
+        model=args.model,
+        port=args.port,
+        host=args.host,
+        metrics_port=args.metrics_port,
+        dtype=args.dtype,
+        device=args.device,
+        backend=args.backend,
+        max_sequences=args.max_sequences,
+        max_model_len=args.max_model_len,
+        support=args.proposal_support,
+        served_model_name=args.served_model_name,
+    )
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.common.runtime import configure_torch_threads
+    from services.target.server import TargetServerConfig, serve
+
+    configure_torch_threads(args.threads)
+    cfg = TargetServerConfig(
+        model=args.model,
+        draft_addresses=_addresses(args.draft_address or ""),
+        port=args.port,
+        host=args.host,
+        metrics_port=args.metrics_port,
+        dtype=args.dtype,
+        device=args.device,
+        backend=args.backend,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        default_method=args.speculation_method,
+        default_num_tokens=args.num_speculative_tokens,
+        draft_round_timeout=args.draft_timeout,
+        served_model_name=args.served_model_name,
+    )
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import run
+    from gateway.settings import GatewaySettings
+
+    addresses = _addresses(args.target_address)
+    if not addresses:
+        raise ValueError("--target-address needs at least one HOST:PORT")
+    run(
+        GatewaySettings(
+            target_addresses=addresses,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+        )
+    )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.serve import ServeConfig, serve
+
+    return serve(
+        ServeConfig(
+            target=args.target,
+            draft=None if args.no_draft else args.draft,
+            host=args.host,
+            port=args.port,
+            draft_port=args.draft_port,
+            target_port=args.target_port,
+            draft_metrics_port=args.draft_metrics_port,
+            target_metrics_port=args.target_metrics_port,
+            dtype=args.dtype,
+            device=args.device,
+            api_key=args.api_key,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
+    )
+
+
+def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int | None) -> None:
+    p.add_argument("--model", default=None, help="model dir or hub id")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--metrics-port", type=int, default=metrics_port, help="Prometheus /metrics port")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--backend", choices=["auto", "own", "transformers"], default="auto")
+    p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + output, in tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: one per core)")
+    p.add_argument("--served-model-name", default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="speculative-decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,12 +256,67 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="two prompts, short outputs (smoke test)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("draft", help="run the gRPC draft service")
+    _add_service_args(d, 50051, None)
+    d.add_argument("--max-sequences", type=int, default=64, help="KV cache slots (sequences held at once)")
+    d.add_argument(
+        "--proposal-support",
+        type=int,
+        default=128,
+        help="sampled guesses come from q truncated to this many tokens (sent sparse; still lossless)",
+    )
+    d.set_defaults(func=cmd_draft, model_default=str(DEMO_DRAFT))
+
+    t = sub.add_parser("target", help="run the gRPC target (verification) service")
+    _add_service_args(t, 50052, None)
+    t.add_argument("--draft-address", default=None, help="HOST:PORT[,HOST:PORT...] of draft services")
+    t.add_argument("--max-batch-size", type=int, default=16, help="sequences verified together")
+    t.add_argument(
+        "--speculation-method",
+        choices=["draft", "ngram", "hybrid", "none"],
+        default=None,
+        help="default for requests that do not choose (default: draft if a draft address is given, else none)",
+    )
+    t.add_argument("--num-speculative-tokens", type=int, default=3, help="default guesses per round")
+    t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
+    t.set_defaults(func=cmd_target, model_default=str(DEMO_TARGET))
+
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    gw.add_argument("--target-address", required=True, help="HOST:PORT[,HOST:PORT...] of target services")
+    gw.add_argument("--host", default="0.0.0.0")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    gw.add_argument("--served-model-name", default=None, help="default: the target's model name")
+    gw.set_defaults(func=cmd_gateway)
+
+    s = sub.add_parser("serve", help="run draft, target and gateway locally (demo models by default)")
+    s.add_argument("--target", default=str(DEMO_TARGET), help="target model dir or hub id")
+    s.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model dir or hub id")
+    s.add_argument("--no-draft", action="store_true", help="no draft service (n-gram or no speculation only)")
+    s.add_argument("--host", default="0.0.0.0", help="gateway bind address (the services bind 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--draft-port", type=int, default=50051)
+    s.add_argument("--target-port", type=int, default=50052)
+    s.add_argument("--draft-metrics-port", type=int, default=9101)
+    s.add_argument("--target-metrics-port", type=int, default=9102)
+    s.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--num-speculative-tokens", type=int, default=3)
+    s.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "model", "unset") is None:
+        args.model = args.model_default
+    # Before anything imports torch: libgomp reads its settings once, when it loads.
+    from services.common.runtime import configure_openmp
+
+    configure_openmp()
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:  # bad arguments or models: a clear message, not a traceback

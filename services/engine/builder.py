@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from services.engine.engine import Engine, EngineConfig
 from services.engine.model import VocabMismatchError, check_same_vocab, load_model
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_TARGET = REPO_ROOT / "models" / "demo-target"
-DEMO_DRAFT = REPO_ROOT / "models" / "demo-draft"
+from services.paths import DEMO_DRAFT, DEMO_TARGET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

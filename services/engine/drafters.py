@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from services.engine.model import BatchLayout, CausalLM
-from services.engine.sampling import BatchSampling, processed_probs, sample_from, uniforms
+from services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
+from services.engine.sparse import truncate_probs
 
 
 @dataclass
@@ -46,8 +47,8 @@ class Proposal:
 class Drafter(Protocol):
     """What the engine needs from a drafter."""
 
-    def add(self, seq_id: str, prompt_ids: list[int]) -> None:
-        """Start tracking a sequence."""
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Start tracking a sequence (``params``: its sampling, for drafters that need it up front)."""
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
         """Guess up to ``row.k`` tokens for each row (``sampling`` matters only to model drafters)."""
@@ -75,7 +76,7 @@ class NGramDrafter:
             raise ValueError("need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
 
-    def add(self, seq_id: str, prompt_ids: list[int]) -> None:
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         pass  # stateless: the context travels in each DraftRow
 
     def remove(self, seq_id: str) -> None:
@@ -114,10 +115,16 @@ class _DraftSeq:
 
 
 class ModelDrafter:
-    """A small causal LM proposing k tokens autoregressively from its own KV cache."""
+    """A small causal LM proposing k tokens autoregressively from its own KV cache.
 
-    def __init__(self, model: CausalLM, max_slots: int, max_len: int) -> None:
+    ``support`` > 0 makes sampled guesses come from the processed q truncated to its ``support``
+    most likely tokens (renormalised), so q can travel sparse; the returned probs are that
+    truncated q, which is what the rejection rule must see to stay lossless.
+    """
+
+    def __init__(self, model: CausalLM, max_slots: int, max_len: int, support: int = 0) -> None:
         self.model = model
+        self.support = support
         self.cache = model.new_cache(max_slots, max_len)
         self.seqs: dict[str, _DraftSeq] = {}
 
@@ -125,7 +132,7 @@ class ModelDrafter:
     def vocab_size(self) -> int:
         return self.model.info.vocab_size
 
-    def add(self, seq_id: str, prompt_ids: list[int]) -> None:
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         slot = self.cache.allocate()
         self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=0)
         # Prefill all but the last token: the last committed token is fed at the next proposal.
@@ -148,6 +155,14 @@ class ModelDrafter:
     @property
     def active(self) -> int:
         return len(self.seqs)
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
+    def has_proposed(self, seq_id: str) -> bool:
+        """Whether a proposal was made for this sequence since it was added."""
+        return self.seqs[seq_id].fed_until > 0
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
@@ -175,6 +190,8 @@ class ModelDrafter:
         for j in range(K):
             if any_sampled:
                 q = processed_probs(logits, sampling)[:, 0]  # [B, V]
+                if self.support:
+                    q = truncate_probs(q, self.support)
                 tok = torch.where(greedy, logits[:, 0].argmax(-1), sample_from(q, u[:, j]))
                 probs.append(q)
             else:

@@ -18,6 +18,7 @@ last one is the first input of the next round.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,6 +87,17 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: SpecStats | None = None
+    proposed: int = 0  # guesses verified for this request this round
+    accepted: int = 0  # of which the target kept this many
+
+
+@dataclass
+class RoundInfo:
+    """Timings of the last round, for exporters (the engine itself keeps no metrics)."""
+
+    batch_size: int = 0
+    draft_seconds: float = 0.0  # proposing, including any network round trip to a draft service
+    verify_seconds: float = 0.0  # target forward pass, verification and the round's host sync
 
 
 @dataclass
@@ -113,7 +125,10 @@ class Engine:
         tokenizer,
         draft: CausalLM | None = None,
         config: EngineConfig = EngineConfig(),
+        drafter: Drafter | None = None,
     ) -> None:
+        """``draft`` is an in-process draft model; ``drafter`` any other model drafter (e.g. a client
+        of a remote draft service) serving the "draft" and "hybrid" methods. At most one of the two."""
         self.target = target
         self.tokenizer = tokenizer
         self.config = config
@@ -122,21 +137,26 @@ class Engine:
         cache_len = self.max_len + MAX_SPECULATIVE_TOKENS + 2
         self.cache = target.new_cache(config.max_batch_size, cache_len)
         self.drafters: dict[str, Drafter] = {"ngram": NGramDrafter(config.ngram_min, config.ngram_max)}
+        if draft is not None and drafter is not None:
+            raise ValueError("pass a draft model or a drafter, not both")
         if draft is not None:
             check_same_vocab(target.info, draft.info)
             self.drafters["draft"] = ModelDrafter(draft, config.max_batch_size, cache_len)
+        elif drafter is not None:
+            self.drafters["draft"] = drafter
         self.eos = frozenset(target.info.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, _Seq] = {}
         self._aborted: set[str] = set()
         self.totals = SpecStats()  # summed over requests (per-request verification counts)
         self.rounds = 0  # batched target forward passes
+        self.last_round = RoundInfo()
         self.device = target.device
 
     # -------------------------------------------------------------------------- requests
 
     def validate(self, req: Request) -> None:
-        """Raise ValueError for a request this engine can never serve."""
+        """Raise ValueError for a request this engine can never serve (independent of engine state)."""
         if not req.prompt_ids:
             raise ValueError("prompt is empty")
         if len(req.prompt_ids) >= self.max_len:
@@ -146,12 +166,12 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if req.spec.method in USES_DRAFT_MODEL and req.spec.k > 0 and "draft" not in self.drafters:
             raise ValueError(f"speculation method {req.spec.method!r} needs a draft model; none is loaded")
-        if req.request_id in self.running or any(w.request_id == req.request_id for w in self.waiting):
-            raise ValueError(f"duplicate request id {req.request_id!r}")
 
     def add_request(self, req: Request) -> None:
         """Queue a request; it joins the batch at the next round with a free slot."""
         self.validate(req)
+        if req.request_id in self.running or any(w.request_id == req.request_id for w in self.waiting):
+            raise ValueError(f"duplicate request id {req.request_id!r}")
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> None:
@@ -171,7 +191,9 @@ class Engine:
             return outputs
         seqs = list(self.running.values())
         ks = [self._block_size(s) for s in seqs]
+        t0 = time.perf_counter()
         guesses, q, from_model = self._propose(seqs, ks)  # [B, K], [B, K, V] | None, [B] host bools
+        t1 = time.perf_counter()
         K = guesses.shape[1]
         last = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
         inputs = torch.cat([last, guesses.clamp_min(0)], dim=1)  # [B, K+1], stays on the device
@@ -182,6 +204,7 @@ class Engine:
         # The one host sync of the round: tokens, how many to emit, how many guesses were made.
         guessed = (guesses >= 0).sum(dim=1, keepdim=True)
         host = torch.cat([token_ids, num_emitted.unsqueeze(1), guessed], dim=1).tolist()
+        self.last_round = RoundInfo(len(seqs), t1 - t0, time.perf_counter() - t1)
         for seq, row, drafted in zip(seqs, host, from_model):
             outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], model_drafted=drafted))
         return outputs
@@ -218,7 +241,7 @@ class Engine:
                 prompt_len=len(prompt),
             )
             if req.spec.method in USES_DRAFT_MODEL:
-                self.drafters["draft"].add(req.request_id, prompt)
+                self.drafters["draft"].add(req.request_id, prompt, req.params)
             self.running[req.request_id] = seq
 
     def _block_size(self, seq: _Seq) -> int:
@@ -330,7 +353,17 @@ class Engine:
         if reason is not None:
             text += seq.detok.flush()
             self._release(seq)
-        return StepOutput(seq.req.request_id, new, min(accepted, len(new)), text, reason is not None, reason, seq.stats)
+        return StepOutput(
+            seq.req.request_id,
+            new,
+            min(accepted, len(new)),
+            text,
+            reason is not None,
+            reason,
+            seq.stats,
+            proposed=proposed,
+            accepted=accepted,
+        )
 
     def _release(self, seq: _Seq) -> None:
         self.running.pop(seq.req.request_id, None)

@@ -1,0 +1,126 @@
+"""From an OpenAI request to a target Generate stream and back: the gateway's one piece of logic.
+
+:func:`open_generation` picks a target (least outstanding first), sends the request and waits for
+the target's header message, so every validation error surfaces *before* any HTTP response starts
+(a proper 400, not a broken stream). Unreachable targets are skipped; with none left it is a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.errors import APIError
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.target_pool import TargetClient, TargetPool
+from specd.v1 import common_pb2, target_pb2
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+
+
+def to_generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str) -> target_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=max(0, body.top_k or 0),
+        top_p=1.0 if body.top_p is None else body.top_p,
+    )
+    if body.seed is not None:
+        sampling.seed = body.seed % 2**64
+    msg = target_pb2.GenerateRequest(
+        request_id=request_id,
+        sampling=sampling,
+        max_tokens=body.token_limit() or 0,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+    )
+    if body.speculation is not None:
+        msg.speculation.method = body.speculation.method or ""
+        msg.speculation.num_tokens = body.speculation.num_tokens or 0
+        if body.speculation.method != "none" and body.speculation.num_tokens == 0:
+            msg.speculation.method = "none"  # zero guesses is speculation off
+    if isinstance(body, ChatCompletionRequest):
+        msg.chat.messages.extend(target_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages)
+    elif isinstance(body.prompt, str):
+        msg.text = body.prompt
+    elif isinstance(body.prompt[0], str):
+        msg.text = body.prompt[0]
+    else:
+        msg.tokens.token_ids.extend(body.prompt)
+    return msg
+
+
+def _invalid_argument(details: str, prompt_param: str) -> APIError:
+    if "context length" in details:
+        return APIError(400, details, prompt_param, "context_length_exceeded")
+    if "speculation" in details or "draft model" in details:
+        return APIError(400, details, "speculation", "invalid_value")
+    if "chat template" in details or "messages" in details:
+        return APIError(400, details, "messages", "invalid_value")
+    if "prompt" in details or "token ids" in details:
+        return APIError(400, details, prompt_param, "invalid_value")
+    return APIError(400, details, None, "invalid_value")
+
+
+@dataclass
+class Generation:
+    """An accepted generation on one target."""
+
+    target: TargetClient
+    call: grpc.aio.UnaryStreamCall
+    request_id: str
+    prompt_tokens: int
+
+    async def messages(self) -> AsyncIterator[target_pb2.GenerateResponse]:
+        while True:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            yield msg
+
+    def close(self) -> None:
+        """Cancel the call if still running (frees the target's and the draft's state) and release
+        the target's slot in the least-outstanding count. Idempotent."""
+        if self.target is not None:
+            self.call.cancel()
+            self.target.outstanding -= 1
+            self.target = None
+
+
+async def open_generation(
+    pool: TargetPool, body: ChatCompletionRequest | CompletionRequest, timeout: float
+) -> Generation:
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    request_id = uuid.uuid4().hex
+    msg = to_generate_request(body, request_id)
+    for target in pool.candidates():
+        call = target.stub.Generate(msg)
+        target.outstanding += 1
+        try:
+            header = await asyncio.wait_for(call.read(), timeout)
+        except grpc.aio.AioRpcError as e:
+            target.outstanding -= 1
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise _invalid_argument(e.details() or "invalid request", prompt_param) from None
+            if e.code() in _RETRYABLE:
+                target.healthy = False  # until the next probe says otherwise
+                continue
+            raise APIError(
+                503, "the target service failed to start the generation", code="service_unavailable"
+            ) from None
+        except TimeoutError:
+            call.cancel()
+            target.outstanding -= 1
+            continue
+        except asyncio.CancelledError:  # the client left while we waited
+            call.cancel()
+            target.outstanding -= 1
+            raise
+        if header is grpc.aio.EOF:
+            target.outstanding -= 1
+            continue
+        return Generation(target, call, request_id, header.prompt_tokens)
+    raise APIError(503, "no target service is available; retry later", code="service_unavailable")

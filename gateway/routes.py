@@ -1,0 +1,208 @@
+"""HTTP endpoints: OpenAI chat completions and completions (streaming or not), models, health, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.errors import APIError, error_body, error_response
+from gateway.generation import Generation, open_generation
+from gateway.metrics import TokenTimer
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.settings import GatewaySettings
+from gateway.target_pool import TargetPool
+
+
+def _state(request: Request) -> tuple[GatewaySettings, TargetPool]:
+    return request.app.state.settings, request.app.state.pool
+
+
+async def require_api_key(request: Request) -> None:
+    settings: GatewaySettings = request.app.state.settings
+    if settings.api_key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or token.strip() != settings.api_key:
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+
+def _served_model(request: Request, body_model: str | None) -> str:
+    settings, pool = _state(request)
+    name = settings.served_model_name or pool.model_name()
+    if name is None:
+        raise APIError(503, "no target service is available; retry later", code="service_unavailable")
+    if body_model is not None and body_model != name:
+        raise APIError(
+            404, f"the model '{body_model}' does not exist; this server serves '{name}'", "model", "model_not_found"
+        )
+    return name
+
+
+def _usage(prompt_tokens: int, last) -> dict:
+    completion = last.completion_tokens if last is not None else 0
+    st = last.stats if last is not None else None
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "speculation": {
+            "proposed_tokens": st.proposed_tokens if st else 0,
+            "accepted_tokens": st.accepted_tokens if st else 0,
+            "target_forward_passes": st.target_forward_passes if st else 0,
+        },
+    }
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Shape:
+    """What differs between chat.completion and text_completion objects."""
+
+    def __init__(self, chat: bool, rid: str, model: str) -> None:
+        self.chat = chat
+        self.base = {"id": rid, "created": int(time.time()), "model": model}
+
+    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**self.base, "object": "chat.completion.chunk", "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self.base, "object": "text_completion", "choices": [choice]}
+
+    def full(self, text: str, finish: str | None, usage: dict) -> dict:
+        if self.chat:
+            msg = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+            return {**self.base, "object": "chat.completion", "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self.base, "object": "text_completion", "choices": [choice], "usage": usage}
+
+
+def _finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+async def _stream(gen: Generation, shape: _Shape, include_usage: bool, timer: TokenTimer) -> AsyncIterator[str]:
+    status = "cancelled"  # unless we get to the end: the client went away
+    last = None
+    extra = {"usage": None} if include_usage else {}
+    try:
+        if shape.chat:
+            yield _sse({**shape.chunk("", None, first=True), **extra})
+        async for msg in gen.messages():
+            last = msg
+            timer.chunk(len(msg.token_ids))
+            if msg.text:
+                yield _sse({**shape.chunk(msg.text, None), **extra})
+            if msg.finish_reason:
+                yield _sse({**shape.chunk(None if shape.chat else "", _finish_reason(msg.finish_reason)), **extra})
+                break
+        if include_usage:
+            yield _sse(
+                {
+                    **shape.base,
+                    "object": shape.chunk("", None)["object"],
+                    "choices": [],
+                    "usage": _usage(gen.prompt_tokens, last),
+                }
+            )
+        yield "data: [DONE]\n\n"
+        status = "200"
+    except grpc.aio.AioRpcError:
+        status = "500"
+        yield _sse(error_body(500, "the target service failed during generation; retry the request"))
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.close()
+        timer.finish(status)
+
+
+async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
+    timer = TokenTimer()
+    try:
+        model = _served_model(request, body.model)
+        settings, pool = _state(request)
+        gen = await open_generation(pool, body, settings.first_message_timeout)
+    except APIError as e:
+        timer.finish(str(e.status))
+        raise
+    shape = _Shape(chat, ("chatcmpl-" if chat else "cmpl-") + gen.request_id, model)
+    if body.stream:
+        return StreamingResponse(
+            _stream(gen, shape, body.include_usage(), timer),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    text, last = [], None
+    try:
+        async for msg in gen.messages():
+            last = msg
+            timer.chunk(len(msg.token_ids))
+            text.append(msg.text)
+    except grpc.aio.AioRpcError:
+        timer.finish("500")
+        return error_response(500, "the target service failed during generation; retry the request")
+    finally:
+        gen.close()
+    timer.finish("200")
+    finish = _finish_reason(last.finish_reason) if last is not None else "stop"
+    return JSONResponse(shape.full("".join(text), finish, _usage(gen.prompt_tokens, last)))
+
+
+def build_router() -> APIRouter:
+    router = APIRouter()
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _complete(request, body, chat=True)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _complete(request, body, chat=False)
+
+    @v1.get("/models")
+    async def models(request: Request) -> dict:
+        name = _served_model(request, None)
+        info = request.app.state.pool.info()
+        card = {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "specd"}
+        if info is not None:
+            card["max_model_len"] = info.max_context
+        return {"object": "list", "data": [card]}
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        pool: TargetPool = request.app.state.pool
+        await pool.refresh()
+        ready = [t for t in pool.targets if t.fully_healthy]
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "targets": [
+                {
+                    "address": t.address,
+                    "healthy": t.healthy,
+                    "drafts_healthy": t.drafts_healthy,
+                    "drafts_total": t.drafts_total,
+                    "outstanding": t.outstanding,
+                }
+                for t in pool.targets
+            ],
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    router.include_router(v1)
+    return router

@@ -1,0 +1,65 @@
+"""What every specd gRPC service shares: server start-up, graceful SIGTERM, a metrics port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# Candidate blocks with sparse q and prompts of a full context stay far below this; it only guards
+# against a runaway message.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Keep long-lived draft streams alive through idle periods and notice dead peers.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+
+def start_metrics_server(port: int | None) -> None:
+    """Expose the default Prometheus registry on http://0.0.0.0:port/metrics (no-op for None)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port)
+
+
+async def run_server(
+    register: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    ready_message: str = "",
+) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully (in-flight calls get a short grace)."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    register(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    await server.start()
+    if ready_message:
+        print(ready_message.format(port=bound), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down")
+    await server.stop(grace=2.0)
+    if on_stop is not None:
+        await on_stop()
+    for t in (waiter, stopper):
+        t.cancel()

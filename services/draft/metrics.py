@@ -1,0 +1,10 @@
+"""Prometheus collectors of the draft service (the only module-level state it has)."""
+
+from prometheus_client import Gauge, Histogram
+
+DRAFT_BLOCK_SECONDS = Histogram(
+    "specd_draft_block_seconds",
+    "Model time to propose one round of candidate blocks (all sequences of the round)",
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0),
+)
+DRAFT_SEQUENCES = Gauge("specd_draft_sequences", "Sequences with state (KV cache slot) on this draft service")

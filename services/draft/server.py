@@ -1,0 +1,154 @@
+"""The draft gRPC service: a thin servicer around :class:`DraftWorker`.
+
+All model work runs on one dedicated thread (the worker is single-threaded by design); the asyncio
+loop only moves messages. Each Draft stream gets its own id; closing it frees its sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from services.common.grpc_server import run_server, start_metrics_server
+from services.draft import metrics
+from services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
+from services.engine.sampling import SamplingParams
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftServerConfig:
+    model: str
+    port: int = 50051
+    host: str = "0.0.0.0"
+    metrics_port: int | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    backend: str = "auto"
+    max_sequences: int = 64
+    max_model_len: int = 1024
+    support: int = 128  # entries of the truncated q sent per sampled guess
+    served_model_name: str | None = None
+
+
+def sampling_from_pb(s: common_pb2.SamplingParams) -> SamplingParams:
+    """Only the fields that shape q (max_tokens does not matter to a drafter)."""
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def block_to_pb(b: BlockOut) -> draft_pb2.Block:
+    msg = draft_pb2.Block(sequence_id=b.seq_id, token_ids=b.token_ids, error=b.error)
+    for ids, probs in zip(b.sparse_ids, b.sparse_probs):
+        msg.probs.add(token_ids=ids.tolist(), probs=probs.tolist())
+    return msg
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, worker: DraftWorker, info: common_pb2.InfoResponse) -> None:
+        self.worker = worker
+        self.info = info
+        # One thread: the model and its cache are not shared between threads.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _round(self, stream: str, rnd: draft_pb2.DraftRound) -> draft_pb2.DraftBlocks:
+        t0 = time.perf_counter()
+        for seq_id in rnd.release:
+            self.worker.release(stream, seq_id)
+        errors: dict[str, str] = {}
+        for o in rnd.open:
+            err = self.worker.open(stream, OpenSeq(o.sequence_id, list(o.token_ids), sampling_from_pb(o.sampling)))
+            if err:
+                errors[o.sequence_id] = err
+        reqs = [
+            ProposeReq(
+                r.sequence_id, r.num_accepted, list(r.new_token_ids), r.committed_length, r.num_tokens, r.round_seed
+            )
+            for r in rnd.rows
+            if r.sequence_id not in errors
+        ]
+        blocks = self.worker.propose(stream, reqs) if reqs else []
+        blocks += [BlockOut(s, error=e) for s, e in errors.items()]
+        seconds = time.perf_counter() - t0
+        if rnd.rows:
+            metrics.DRAFT_BLOCK_SECONDS.observe(seconds)
+        metrics.DRAFT_SEQUENCES.set(self.worker.active)
+        return draft_pb2.DraftBlocks(
+            round_id=rnd.round_id, blocks=[block_to_pb(b) for b in blocks], draft_seconds=seconds
+        )
+
+    def _close_stream(self, stream: str) -> None:
+        freed = self.worker.release_stream(stream)
+        metrics.DRAFT_SEQUENCES.set(self.worker.active)
+        log.info("draft stream %s closed; freed %d sequences", stream, freed)
+
+    async def Draft(self, request_iterator, context):
+        stream = uuid.uuid4().hex[:12]
+        try:
+            async for rnd in request_iterator:
+                yield await self._run(self._round, stream, rnd)
+        finally:
+            # Runs on normal close, on cancellation and when the target dies: nothing leaks.
+            await asyncio.shield(self._run(self._close_stream, stream))
+
+    async def Health(self, request, context):
+        return common_pb2.HealthResponse(serving=True)
+
+    async def Info(self, request, context):
+        return self.info
+
+    async def Release(self, request, context):
+        released = await self._run(self.worker.release_anywhere, request.sequence_id)
+        metrics.DRAFT_SEQUENCES.set(self.worker.active)
+        return common_pb2.ReleaseResponse(released=released)
+
+
+def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoResponse]:
+    from services.engine.builder import DTYPES
+    from services.engine.drafters import ModelDrafter
+    from services.engine.engine import MAX_SPECULATIVE_TOKENS
+    from services.engine.model import load_model
+
+    model = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend)
+    max_len = min(cfg.max_model_len, model.info.max_context)
+    drafter = ModelDrafter(model, cfg.max_sequences, max_len + MAX_SPECULATIVE_TOKENS + 2, support=cfg.support)
+    info = common_pb2.InfoResponse(
+        model_name=cfg.served_model_name or model_name(cfg.model),
+        vocab_size=model.info.vocab_size,
+        max_context=max_len,
+        role="draft",
+        max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
+    )
+    return DraftWorker(drafter, max_len, cfg.support, MAX_SPECULATIVE_TOKENS), info
+
+
+def model_name(path: str) -> str:
+    return path.rstrip("/").split("/")[-1]
+
+
+async def serve(cfg: DraftServerConfig) -> None:
+    """Load the draft model and serve DraftService until SIGTERM."""
+    worker, info = build_worker(cfg)
+    start_metrics_server(cfg.metrics_port)
+    metrics.DRAFT_SEQUENCES.set(0)
+    servicer = DraftServicer(worker, info)
+    await run_server(
+        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+        cfg.host,
+        cfg.port,
+        ready_message=f"specd draft service ({info.model_name}) listening on port {{port}}",
+    )
+    servicer.executor.shutdown(wait=False, cancel_futures=True)

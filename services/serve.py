@@ -1,0 +1,175 @@
+"""``specd serve``: the draft service, the target service and the gateway as three local processes.
+
+A supervisor, not a cluster manager: it starts the three ``specd`` subcommands, waits until the
+gateway's /health says the whole chain is ready, prints the URL, and on Ctrl-C or SIGTERM stops
+them in order (gateway, target, draft). Each child runs in its own process group (so a terminal's
+Ctrl-C reaches only the supervisor, which then stops them in order) and is asked by the kernel to
+exit if the supervisor dies (PR_SET_PDEATHSIG), so no orphan outlives it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from services.common.runtime import DEFAULT_SPINCOUNT
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    target: str
+    draft: str | None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    draft_port: int = 50051
+    target_port: int = 50052
+    draft_metrics_port: int = 9101
+    target_metrics_port: int = 9102
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    api_key: str | None = None
+    num_speculative_tokens: int = 3
+    startup_timeout: float = 300.0
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM it when the supervisor dies."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the supervisor's own shutdown still stops the children
+
+
+def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
+    cli = [sys.executable, "-m", "services.cli"]
+    cmds = []
+    if cfg.draft:
+        cmds.append(
+            (
+                "draft",
+                [
+                    *cli,
+                    "draft",
+                    "--model",
+                    cfg.draft,
+                    "--port",
+                    str(cfg.draft_port),
+                    "--metrics-port",
+                    str(cfg.draft_metrics_port),
+                    "--dtype",
+                    cfg.dtype,
+                    "--device",
+                    cfg.device,
+                    "--host",
+                    "127.0.0.1",
+                ],
+            )
+        )
+    target = [
+        *cli,
+        "target",
+        "--model",
+        cfg.target,
+        "--port",
+        str(cfg.target_port),
+        "--metrics-port",
+        str(cfg.target_metrics_port),
+        "--dtype",
+        cfg.dtype,
+        "--device",
+        cfg.device,
+        "--host",
+        "127.0.0.1",
+        "--num-speculative-tokens",
+        str(cfg.num_speculative_tokens),
+    ]
+    if cfg.draft:
+        target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
+    cmds.append(("target", target))
+    gw = [
+        *cli,
+        "gateway",
+        "--target-address",
+        f"127.0.0.1:{cfg.target_port}",
+        "--port",
+        str(cfg.port),
+        "--host",
+        cfg.host,
+    ]
+    if cfg.api_key:
+        gw += ["--api-key", cfg.api_key]
+    cmds.append(("gateway", gw))
+    return cmds
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _stop(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    for _, p in reversed(procs):  # gateway first: stop taking requests, then the services behind it
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for name, p in reversed(procs):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"specd serve: {name} did not stop; killing it", file=sys.stderr)
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Run until Ctrl-C / SIGTERM or until a child dies; returns an exit status."""
+    env = dict(os.environ)
+    env.setdefault("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)
+    stopping = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    try:
+        for name, cmd in _commands(cfg):
+            procs.append((name, subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=_die_with_parent)))
+        health = f"http://127.0.0.1:{cfg.port}/health"
+        deadline = time.monotonic() + cfg.startup_timeout
+        while not stopping and not _healthy(health):
+            dead = [n for n, p in procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                print(f"specd serve: {', '.join(dead) or 'start-up'} failed; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        if stopping:
+            return 0
+        host = "localhost" if cfg.host in ("0.0.0.0", "127.0.0.1") else cfg.host
+        print(
+            f"specd is ready: http://{host}:{cfg.port}/v1 (OpenAI API)  |  metrics: gateway :{cfg.port}/metrics, "
+            f"target :{cfg.target_metrics_port}/metrics"
+            + (f", draft :{cfg.draft_metrics_port}/metrics" if cfg.draft else ""),
+            flush=True,
+        )
+        while not stopping:
+            dead = [n for n, p in procs if p.poll() is not None]
+            if dead:
+                print(f"specd serve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop(procs)

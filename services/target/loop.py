@@ -1,0 +1,100 @@
+"""The engine's own thread: it owns the :class:`Engine` and steps it while there is work.
+
+gRPC handlers (on the asyncio loop) talk to it only through :meth:`EngineLoop.submit` and
+:meth:`EngineLoop.abort`, which enqueue commands; outputs go back through each request's ``sink``
+(a thread-safe callback). Nothing else touches the engine, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from services.engine.engine import Engine, Request, StepOutput
+from services.target.metrics import SpecExporter
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[StepOutput | Exception], None]
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` rounds on a dedicated thread and routes outputs to their sinks."""
+
+    def __init__(self, engine: Engine, exporter: SpecExporter) -> None:
+        self.engine = engine
+        self.exporter = exporter
+        self.inbox: queue.Queue = queue.Queue()
+        self.sinks: dict[str, Sink] = {}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self.thread.join(timeout=5)
+
+    def submit(self, req: Request, sink: Sink) -> None:
+        self.inbox.put(("add", req, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, req, sink = cmd
+            try:
+                self.engine.add_request(req)
+            except ValueError as e:
+                sink(e)
+                return
+            self.sinks[req.request_id] = sink
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+            self.sinks.pop(cmd[1], None)
+
+    def _drain(self) -> None:
+        idle = not self.engine.has_work()
+        while True:
+            try:
+                cmd = self.inbox.get(timeout=0.5) if idle else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(cmd)
+            idle = False  # after the first command, take whatever else is queued without waiting
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            rounds = self.engine.rounds
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug or an OOM must not take the service down
+                log.exception("engine step failed; failing its requests")
+                self._fail_all(e)
+                continue
+            if self.engine.rounds != rounds:
+                r = self.engine.last_round
+                self.exporter.record_round(outputs, r.batch_size, r.draft_seconds, r.verify_seconds)
+            self.exporter.set_running(len(self.engine.running) + len(self.engine.waiting))
+            for out in outputs:
+                sink = self.sinks.get(out.request_id)
+                if out.finished:
+                    self.sinks.pop(out.request_id, None)
+                if sink is not None:
+                    sink(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, sink in list(self.sinks.items()):
+            sink(error)
+            self.engine.abort(rid)
+        self.sinks.clear()
+        try:
+            self.engine.step()  # evicts the aborted requests and frees their caches
+        except Exception:
+            log.exception("could not evict after a failed step")

@@ -1,0 +1,93 @@
+"""Prometheus collectors of the target service and the exporter that feeds them from engine rounds.
+
+The engine keeps plain counters (:class:`SpecStats`, :class:`RoundInfo`); this module is the only
+place that knows about Prometheus. Derived values for dashboards:
+- acceptance rate: ``rate(specd_spec_accepted_tokens_total[1m]) / rate(specd_spec_draft_tokens_total[1m])``
+- mean accepted length per verification:
+  ``1 + rate(specd_spec_accepted_tokens_total[1m]) / rate(specd_spec_verifications_total[1m])``
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.engine.engine import StepOutput
+
+DRAFT_TOKENS = Counter("specd_spec_draft_tokens", "Draft tokens proposed and verified")
+ACCEPTED_TOKENS = Counter("specd_spec_accepted_tokens", "Draft tokens the target accepted")
+VERIFICATIONS = Counter(
+    "specd_spec_verifications", "Per-sequence verifications (one per sequence per batched target pass)"
+)
+ACCEPTED_PER_POSITION = Counter(
+    "specd_spec_accepted_tokens_per_position",
+    "Accepted draft tokens by their position in the block (0 = first guess)",
+    ["position"],
+)
+ACCEPTANCE_RATE = Gauge(
+    "specd_spec_acceptance_rate", "Accepted / proposed draft tokens over the last minute of verifications"
+)
+VERIFY_SECONDS = Histogram(
+    "specd_verify_seconds",
+    "Target forward pass + verification of one batched round",
+    buckets=(0.001, 0.002, 0.004, 0.006, 0.008, 0.012, 0.016, 0.024, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0),
+)
+DRAFT_ROUND_SECONDS = Histogram(
+    "specd_draft_round_seconds",
+    "Time the target waited for one round of guesses (draft model + network, or n-gram lookup)",
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0),
+)
+BATCH_SIZE = Histogram(
+    "specd_batch_size", "Sequences verified together in one target pass", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64)
+)
+REQUESTS_RUNNING = Gauge("specd_requests_running", "Requests admitted or queued on this target")
+DRAFT_FAILURES = Counter(
+    "specd_draft_failures",
+    "Rounds in which a draft endpoint failed or timed out (decoded without guesses)",
+    ["endpoint"],
+)
+
+WINDOW_SECONDS = 60.0
+
+
+class SpecExporter:
+    """Turns each round's outputs into metric updates; keeps the acceptance-rate window."""
+
+    def __init__(self, window_seconds: float = WINDOW_SECONDS) -> None:
+        self.window_seconds = window_seconds
+        self._window: deque[tuple[float, int, int]] = deque()  # (time, proposed, accepted)
+        self._proposed = 0
+        self._accepted = 0
+
+    def record_round(self, outputs: list[StepOutput], batch_size: int, draft_s: float, verify_s: float) -> None:
+        """One batched target pass and what each of its sequences produced."""
+        VERIFY_SECONDS.observe(verify_s)
+        DRAFT_ROUND_SECONDS.observe(draft_s)
+        BATCH_SIZE.observe(batch_size)
+        now = time.monotonic()
+        proposed = accepted = 0
+        for out in outputs:
+            if out.finish_reason == "abort":
+                continue  # evicted, not verified
+            VERIFICATIONS.inc()
+            proposed += out.proposed
+            accepted += out.accepted
+            for j in range(out.accepted):
+                ACCEPTED_PER_POSITION.labels(position=str(j)).inc()
+        DRAFT_TOKENS.inc(proposed)
+        ACCEPTED_TOKENS.inc(accepted)
+        self._window.append((now, proposed, accepted))
+        self._proposed += proposed
+        self._accepted += accepted
+        while self._window and self._window[0][0] < now - self.window_seconds:
+            _, p, a = self._window.popleft()
+            self._proposed -= p
+            self._accepted -= a
+        if self._proposed:
+            ACCEPTANCE_RATE.set(self._accepted / self._proposed)
+
+    @staticmethod
+    def set_running(n: int) -> None:
+        REQUESTS_RUNNING.set(n)

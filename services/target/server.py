@@ -1,0 +1,254 @@
+"""The target gRPC service: validates and tokenizes requests, feeds the engine loop, streams results.
+
+Proto types stop here: requests become :class:`~services.engine.engine.Request` dataclasses, step
+outputs become GenerateResponse messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.grpc_server import GRPC_OPTIONS, run_server, start_metrics_server
+from services.engine.chat import encode_chat, encode_text
+from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, Request, SpecConfig, StepOutput
+from services.engine.sampling import SamplingParams
+from services.target import metrics
+from services.target.loop import EngineLoop
+from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TargetServerConfig:
+    model: str
+    draft_addresses: tuple[str, ...] = ()
+    port: int = 50052
+    host: str = "0.0.0.0"
+    metrics_port: int | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    backend: str = "auto"
+    max_batch_size: int = 16
+    max_model_len: int = 1024
+    default_method: str | None = None  # None: "draft" with draft addresses, else "none"
+    default_num_tokens: int = 3  # best measured k for the demo pair (README, engine benchmark)
+    draft_round_timeout: float = 2.0
+    served_model_name: str | None = None
+
+    @property
+    def method(self) -> str:
+        return self.default_method or ("draft" if self.draft_addresses else "none")
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, loop: EngineLoop, info: common_pb2.InfoResponse, cfg: TargetServerConfig) -> None:
+        self.loop = loop
+        self.engine: Engine = loop.engine
+        self.tokenizer = self.engine.tokenizer
+        self.info = info
+        self.cfg = cfg
+        self.live: set[str] = set()
+        # Separate async channels for health probes; the engine thread owns the Draft streams.
+        self.draft_health = [
+            draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(a, options=GRPC_OPTIONS))
+            for a in cfg.draft_addresses
+        ]
+
+    # ----------------------------------------------------------------------- conversion
+
+    def to_request(self, msg: target_pb2.GenerateRequest) -> Request:
+        """Validate and tokenize; raises ValueError with a message fit for the client."""
+        kind = msg.WhichOneof("prompt")
+        if kind == "text":
+            prompt = encode_text(self.tokenizer, msg.text)
+        elif kind == "chat":
+            if not msg.chat.messages:
+                raise ValueError("messages must not be empty")
+            try:
+                prompt = encode_chat(
+                    self.tokenizer, [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+                )
+            except Exception as e:  # jinja errors from the model's template (e.g. a role it rejects)
+                raise ValueError(f"could not apply the chat template: {e}") from None
+        elif kind == "tokens":
+            prompt = list(msg.tokens.token_ids)
+        else:
+            raise ValueError("a prompt is required")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        max_len = self.engine.max_len
+        if len(prompt) >= max_len:
+            raise ValueError(
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt)} tokens"
+            )
+        s = msg.sampling
+        max_tokens = msg.max_tokens or (max_len - len(prompt))
+        params = SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p if s.top_p > 0 else 1.0,
+            seed=s.seed if s.HasField("seed") else None,
+            max_tokens=max_tokens,
+            stop=tuple(msg.stop),
+            ignore_eos=msg.ignore_eos,
+        )
+        sp = msg.speculation
+        method = sp.method or self.cfg.method
+        num = sp.num_tokens or self.cfg.default_num_tokens
+        spec = SpecConfig(method, 0 if method == "none" else num)
+        req = Request(msg.request_id or uuid.uuid4().hex, tuple(prompt), params, spec)
+        self.engine.validate(req)
+        return req
+
+    @staticmethod
+    def to_response(out: StepOutput, completion_tokens: int) -> target_pb2.GenerateResponse:
+        n = len(out.token_ids)
+        d = out.num_from_draft
+        st = out.stats
+        return target_pb2.GenerateResponse(
+            token_ids=out.token_ids,
+            sources=[target_pb2.TOKEN_SOURCE_DRAFT] * d + [target_pb2.TOKEN_SOURCE_TARGET] * (n - d),
+            text=out.text,
+            finish_reason=out.finish_reason or "",
+            completion_tokens=completion_tokens,
+            stats=target_pb2.SpeculationStats(
+                proposed_tokens=st.proposed_tokens,
+                accepted_tokens=st.accepted_tokens,
+                target_forward_passes=st.target_forward_passes,
+            )
+            if st is not None
+            else None,
+        )
+
+    # -------------------------------------------------------------------------- RPCs
+
+    async def Generate(self, request, context):
+        try:
+            req = self.to_request(request)
+            if req.request_id in self.live:
+                raise ValueError(f"request id {req.request_id!r} is already running")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = req.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        self.live.add(rid)
+        self.loop.submit(req, lambda item: aloop.call_soon_threadsafe(queue.put_nowait, item))
+        finished = False
+        completion = 0
+        try:
+            yield target_pb2.GenerateResponse(prompt_tokens=len(req.prompt_ids))
+            while True:
+                item = await queue.get()
+                if isinstance(item, ValueError):
+                    finished = True
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                if isinstance(item, Exception):
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, "generation failed on the target")
+                completion += len(item.token_ids)
+                yield self.to_response(item, completion)
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self.live.discard(rid)
+            if not finished:  # the caller went away (cancelled, disconnected, deadline): free it now
+                self.loop.abort(rid)
+
+    async def Health(self, request, context):
+        healthy = 0
+        if self.draft_health:
+            replies = await asyncio.gather(
+                *(s.Health(common_pb2.HealthRequest(), timeout=1.0) for s in self.draft_health),
+                return_exceptions=True,
+            )
+            healthy = sum(isinstance(r, common_pb2.HealthResponse) and r.serving for r in replies)
+        return common_pb2.HealthResponse(
+            serving=self.loop.thread.is_alive(),
+            draft_endpoints_healthy=healthy,
+            draft_endpoints_total=len(self.draft_health),
+        )
+
+    async def Info(self, request, context):
+        return self.info
+
+    async def Cancel(self, request, context):
+        known = request.sequence_id in self.live
+        if known:
+            self.loop.abort(request.sequence_id)
+        return common_pb2.ReleaseResponse(released=known)
+
+
+def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResponse]:
+    from services.engine.builder import DTYPES, load_tokenizer
+    from services.engine.engine import EngineConfig
+    from services.engine.model import load_model
+    from services.target.draft_client import DraftClientConfig, RemoteDrafter
+
+    tokenizer = load_tokenizer(cfg.model)
+    target = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend)
+    drafter = None
+    if cfg.draft_addresses:
+        drafter = RemoteDrafter(
+            DraftClientConfig(cfg.draft_addresses, round_timeout=cfg.draft_round_timeout),
+            target.info.vocab_size,
+            target.device,
+            on_failure=lambda address: metrics.DRAFT_FAILURES.labels(endpoint=address).inc(),
+        )
+        for a in cfg.draft_addresses:
+            metrics.DRAFT_FAILURES.labels(endpoint=a)  # exported as 0 from the start
+    engine = Engine(target, tokenizer, None, EngineConfig(cfg.max_batch_size, cfg.max_model_len), drafter=drafter)
+    methods = ["ngram", "none"] + (["draft", "hybrid"] if drafter else [])
+    info = common_pb2.InfoResponse(
+        model_name=cfg.served_model_name or cfg.model.rstrip("/").split("/")[-1],
+        vocab_size=target.info.vocab_size,
+        max_context=engine.max_len,
+        role="target",
+        speculation_methods=methods,
+        max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
+    )
+    return EngineLoop(engine, metrics.SpecExporter()), info
+
+
+async def check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) -> None:
+    """Refuse a draft whose vocabulary differs; a draft that is not up yet is only logged."""
+    for a in cfg.draft_addresses:
+        async with grpc.aio.insecure_channel(a) as ch:
+            try:
+                d = await draft_pb2_grpc.DraftServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=2.0)
+            except grpc.RpcError:
+                log.warning("draft %s is not reachable yet; generating without it until it is", a)
+                continue
+        if d.vocab_size != info.vocab_size:
+            raise SystemExit(f"draft {a} ({d.model_name}) has vocab {d.vocab_size}, the target {info.vocab_size}")
+
+
+async def serve(cfg: TargetServerConfig) -> None:
+    """Load the target, start the engine thread and serve TargetService until SIGTERM."""
+    loop, info = build_loop(cfg)
+    await check_drafts(cfg, info)
+    start_metrics_server(cfg.metrics_port)
+    metrics.REQUESTS_RUNNING.set(0)
+    loop.start()
+    servicer = TargetServicer(loop, info, cfg)
+
+    async def stop() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+        drafter = loop.engine.drafters.get("draft")
+        if drafter is not None and hasattr(drafter, "close"):
+            drafter.close()
+
+    await run_server(
+        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+        cfg.host,
+        cfg.port,
+        on_stop=stop,
+        ready_message=f"specd target service ({info.model_name}) listening on port {{port}}",
+    )
