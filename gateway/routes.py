@@ -92,7 +92,9 @@ def _finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-async def _stream(gen: Generation, shape: _Shape, include_usage: bool, timer: TokenTimer) -> AsyncIterator[str]:
+async def _stream(
+    gen: Generation, shape: _Shape, include_usage: bool, token_ids: bool, timer: TokenTimer
+) -> AsyncIterator[str]:
     status = "cancelled"  # unless we get to the end: the client went away
     last = None
     extra = {"usage": None} if include_usage else {}
@@ -102,8 +104,11 @@ async def _stream(gen: Generation, shape: _Shape, include_usage: bool, timer: To
         async for msg in gen.messages():
             last = msg
             timer.chunk(len(msg.token_ids))
-            if msg.text:
-                yield _sse({**shape.chunk(msg.text, None), **extra})
+            if msg.text or (token_ids and msg.token_ids):
+                chunk = shape.chunk(msg.text, None)
+                if token_ids:
+                    chunk["choices"][0]["token_ids"] = list(msg.token_ids)
+                yield _sse({**chunk, **extra})
             if msg.finish_reason:
                 yield _sse({**shape.chunk(None if shape.chat else "", _finish_reason(msg.finish_reason)), **extra})
                 break
@@ -139,16 +144,17 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
     shape = _Shape(chat, ("chatcmpl-" if chat else "cmpl-") + gen.request_id, model)
     if body.stream:
         return StreamingResponse(
-            _stream(gen, shape, body.include_usage(), timer),
+            _stream(gen, shape, body.include_usage(), body.return_token_ids, timer),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    text, last = [], None
+    text, ids, last = [], [], None
     try:
         async for msg in gen.messages():
             last = msg
             timer.chunk(len(msg.token_ids))
             text.append(msg.text)
+            ids.extend(msg.token_ids)
     except grpc.aio.AioRpcError:
         timer.finish("500")
         return error_response(500, "the target service failed during generation; retry the request")
@@ -156,7 +162,10 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
         gen.close()
     timer.finish("200")
     finish = _finish_reason(last.finish_reason) if last is not None else "stop"
-    return JSONResponse(shape.full("".join(text), finish, _usage(gen.prompt_tokens, last)))
+    result = shape.full("".join(text), finish, _usage(gen.prompt_tokens, last))
+    if body.return_token_ids:
+        result["choices"][0]["token_ids"] = ids
+    return JSONResponse(result)
 
 
 def build_router() -> APIRouter:

@@ -61,6 +61,7 @@ class _SamplingFields(_Strict):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
     ignore_eos: bool = False  # extension (vLLM)
+    return_token_ids: bool = False  # extension (as vLLM): each choice also carries its token ids
     speculation: Speculation | None = None
     user: str | None = None
     # Accepted only at their neutral values (see module docstring).

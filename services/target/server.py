@@ -87,6 +87,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise ValueError(
                 f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt)} tokens"
             )
+        if msg.max_tokens and len(prompt) + msg.max_tokens > max_len:
+            raise ValueError(
+                f"this model's maximum context length is {max_len} tokens; you requested "
+                f"{len(prompt) + msg.max_tokens} tokens ({len(prompt)} in the prompt, {msg.max_tokens} to generate)"
+            )
         s = msg.sampling
         max_tokens = msg.max_tokens or (max_len - len(prompt))
         params = SamplingParams(

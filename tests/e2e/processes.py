@@ -1,0 +1,176 @@
+"""Start the real specd services as subprocesses on free loopback ports, and always stop them.
+
+Every process runs in its own process group; :meth:`Stack.stop` signals exactly those groups
+(SIGTERM, then SIGKILL after a grace period), so a failing test never leaves anything behind and
+never touches a process it did not start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+
+
+def stop_process(p: subprocess.Popen, grace: float = 10.0) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    except ProcessLookupError:
+        pass
+
+
+def kill_process(p: subprocess.Popen) -> None:
+    """SIGKILL: a crash, not a shutdown."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def wait_grpc(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"service exited early:\n{log.read_text()[-3000:]}")
+            try:
+                grpc.channel_ready_future(ch).result(timeout=1.0)
+                return
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"port {port} not ready:\n{log.read_text()[-3000:]}") from None
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if http_get(url, timeout=2.0)[0] == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float | None:
+    """The value of one sample in Prometheus text format (``labels`` like 'position="0"')."""
+    want = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key == want:
+            return float(value)
+    return None
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum over every label set of one metric."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+@dataclass
+class Stack:
+    """draft + target + gateway, each a real ``specd`` process."""
+
+    target_model: Path
+    draft_model: Path | None
+    logdir: Path
+    dtype: str = "float32"
+    target_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    draft_port: int = field(default_factory=free_port)
+    draft_metrics: int = field(default_factory=free_port)
+    target_port: int = field(default_factory=free_port)
+    target_metrics: int = field(default_factory=free_port)
+    gateway_port: int = field(default_factory=free_port)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def start_draft(self) -> None:
+        log = self.logdir / "draft.log"
+        self.procs["draft"] = p = spawn(
+            ["draft", "--model", str(self.draft_model), "--host", "127.0.0.1", "--port", str(self.draft_port),
+             "--metrics-port", str(self.draft_metrics), "--dtype", self.dtype], log)
+        wait_grpc(self.draft_port, p, log)
+
+    def start(self) -> Stack:
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.draft_model is not None:
+                self.start_draft()
+            log = self.logdir / "target.log"
+            args = ["target", "--model", str(self.target_model), "--host", "127.0.0.1", "--port",
+                    str(self.target_port), "--metrics-port", str(self.target_metrics), "--dtype", self.dtype,
+                    *self.target_args]
+            if self.draft_model is not None:
+                args += ["--draft-address", f"127.0.0.1:{self.draft_port}"]
+            self.procs["target"] = p = spawn(args, log)
+            wait_grpc(self.target_port, p, log)
+            log = self.logdir / "gateway.log"
+            self.procs["gateway"] = p = spawn(
+                ["gateway", "--target-address", f"127.0.0.1:{self.target_port}", "--host", "127.0.0.1",
+                 "--port", str(self.gateway_port), *self.gateway_args], log)
+            wait_http_ok(self.url + "/health", p, log)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for name in ("gateway", "target", "draft"):
+            if name in self.procs:
+                stop_process(self.procs[name])
+
+    def metrics(self, which: str) -> str:
+        port = {"draft": self.draft_metrics, "target": self.target_metrics, "gateway": self.gateway_port}[which]
+        return http_get(f"http://127.0.0.1:{port}/metrics")[1]
