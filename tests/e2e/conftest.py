@@ -45,7 +45,9 @@ def reference(engine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int]
     from services.engine.engine import Request, SpecConfig
     from services.engine.sampling import SamplingParams
 
-    req = Request("ref", tuple(prompt_ids), SamplingParams(temperature=0.0, max_tokens=max_tokens), SpecConfig("none", 0))
+    req = Request(
+        "ref", tuple(prompt_ids), SamplingParams(temperature=0.0, max_tokens=max_tokens), SpecConfig("none", 0)
+    )
     res = engine.generate([req])["ref"]
     return res.token_ids, res.text
 

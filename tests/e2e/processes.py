@@ -32,7 +32,11 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "ab") as f:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "services.cli", *args],
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
             process_group=0,
         )
 
@@ -139,8 +143,21 @@ class Stack:
     def start_draft(self) -> None:
         log = self.logdir / "draft.log"
         self.procs["draft"] = p = spawn(
-            ["draft", "--model", str(self.draft_model), "--host", "127.0.0.1", "--port", str(self.draft_port),
-             "--metrics-port", str(self.draft_metrics), "--dtype", self.dtype], log)
+            [
+                "draft",
+                "--model",
+                str(self.draft_model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.draft_port),
+                "--metrics-port",
+                str(self.draft_metrics),
+                "--dtype",
+                self.dtype,
+            ],
+            log,
+        )
         wait_grpc(self.draft_port, p, log)
 
     def start(self) -> Stack:
@@ -149,17 +166,38 @@ class Stack:
             if self.draft_model is not None:
                 self.start_draft()
             log = self.logdir / "target.log"
-            args = ["target", "--model", str(self.target_model), "--host", "127.0.0.1", "--port",
-                    str(self.target_port), "--metrics-port", str(self.target_metrics), "--dtype", self.dtype,
-                    *self.target_args]
+            args = [
+                "target",
+                "--model",
+                str(self.target_model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.target_port),
+                "--metrics-port",
+                str(self.target_metrics),
+                "--dtype",
+                self.dtype,
+                *self.target_args,
+            ]
             if self.draft_model is not None:
                 args += ["--draft-address", f"127.0.0.1:{self.draft_port}"]
             self.procs["target"] = p = spawn(args, log)
             wait_grpc(self.target_port, p, log)
             log = self.logdir / "gateway.log"
             self.procs["gateway"] = p = spawn(
-                ["gateway", "--target-address", f"127.0.0.1:{self.target_port}", "--host", "127.0.0.1",
-                 "--port", str(self.gateway_port), *self.gateway_args], log)
+                [
+                    "gateway",
+                    "--target-address",
+                    f"127.0.0.1:{self.target_port}",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.gateway_port),
+                    *self.gateway_args,
+                ],
+                log,
+            )
             wait_http_ok(self.url + "/health", p, log)
         except BaseException:
             self.stop()

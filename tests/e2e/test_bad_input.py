@@ -88,8 +88,20 @@ def test_no_request_left_running_after_bad_input(stack) -> None:
 def test_api_key(stack, tmp_path) -> None:
     port = free_port()
     log = tmp_path / "gateway-auth.log"
-    gw = spawn(["gateway", "--target-address", f"127.0.0.1:{stack.target_port}", "--host", "127.0.0.1",
-                "--port", str(port), "--api-key", "s3cret"], log)
+    gw = spawn(
+        [
+            "gateway",
+            "--target-address",
+            f"127.0.0.1:{stack.target_port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--api-key",
+            "s3cret",
+        ],
+        log,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(url + "/health", gw, log)

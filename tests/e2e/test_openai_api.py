@@ -67,8 +67,13 @@ def test_greedy_through_the_stack_is_token_identical_to_target_alone(stack, refe
         for method in ("draft", "ngram", "hybrid"):
             r = httpx.post(
                 stack.url + "/v1/completions",
-                json={"prompt": ids, "max_tokens": 64, "temperature": 0, "return_token_ids": True,
-                      "speculation": {"method": method, "num_tokens": 4}},
+                json={
+                    "prompt": ids,
+                    "max_tokens": 64,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                    "speculation": {"method": method, "num_tokens": 4},
+                },
                 timeout=120,
             ).json()
             assert r["choices"][0]["token_ids"] == want_ids, (prompt, method)
@@ -115,10 +120,16 @@ def test_seeded_sampling_repeats(stack) -> None:
 
 def test_stop_string(stack) -> None:
     client = _client(stack)
-    full = client.completions.create(model="demo-target", prompt="def binary_search(items, target):",
-                                     max_tokens=40, temperature=0).choices[0].text
+    full = (
+        client.completions.create(
+            model="demo-target", prompt="def binary_search(items, target):", max_tokens=40, temperature=0
+        )
+        .choices[0]
+        .text
+    )
     stop = full[10:14]
-    cut = client.completions.create(model="demo-target", prompt="def binary_search(items, target):",
-                                    max_tokens=40, temperature=0, stop=[stop]).choices[0]
+    cut = client.completions.create(
+        model="demo-target", prompt="def binary_search(items, target):", max_tokens=40, temperature=0, stop=[stop]
+    ).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full[: full.index(stop)]
