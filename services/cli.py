@@ -101,6 +101,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        from benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
+
+        run_serve_bench(
+            ServeBenchConfig(
+                target=args.target,
+                draft=args.draft,
+                dtype=args.dtype,
+                k=int(args.k.split(",")[0]) if args.k_given else 3,
+                max_tokens=args.max_tokens,
+                concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
+                repeats=args.repeats,
+                out_dir=args.out,
+                quick=args.quick,
+            )
+        )
+        return 0
     from benchmarks.engine_bench import BenchConfig, run_engine_bench
 
     cfg = BenchConfig(
@@ -124,8 +141,6 @@ def _addresses(value: str) -> tuple[str, ...]:
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
-    import asyncio
-
     from services.common.runtime import configure_torch_threads
     from services.draft.server import DraftServerConfig, serve
 
@@ -143,13 +158,11 @@ def cmd_draft(args: argparse.Namespace) -> int:
         support=args.proposal_support,
         served_model_name=args.served_model_name,
     )
-    asyncio.run(serve(cfg))
+    serve(cfg)
     return 0
 
 
 def cmd_target(args: argparse.Namespace) -> int:
-    import asyncio
-
     from services.common.runtime import configure_torch_threads
     from services.target.server import TargetServerConfig, serve
 
@@ -170,7 +183,7 @@ def cmd_target(args: argparse.Namespace) -> int:
         draft_round_timeout=args.draft_timeout,
         served_model_name=args.served_model_name,
     )
-    asyncio.run(serve(cfg))
+    serve(cfg)
     return 0
 
 
@@ -248,13 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="engine benchmark: baselines and specd side by side")
     _add_model_args(b)
-    b.add_argument("--k", default="1,2,3,4,5,6,7,8", help="speculative block sizes to sweep")
+    b.add_argument("--k", default=None, help="block sizes to sweep (default 1..8; --serve: one k, default 3)")
     b.add_argument("--max-tokens", type=int, default=96)
     b.add_argument("--temperatures", default="0,0.8")
     b.add_argument("--repeats", type=int, default=2, help="interleaved passes over all modes, summed")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--quick", action="store_true", help="two prompts, short outputs (smoke test)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument(
+        "--serve",
+        action="store_true",
+        help="benchmark the whole stack (gateway + target + draft processes) against the in-process engine",
+    )
+    b.add_argument("--concurrency", default="1,4,16", help="--serve: concurrent streams to sweep")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("draft", help="run the gRPC draft service")
@@ -311,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        args.k_given = args.k is not None
+        args.k = args.k or "1,2,3,4,5,6,7,8"
     if getattr(args, "model", "unset") is None:
         args.model = args.model_default
     # Before anything imports torch: libgomp reads its settings once, when it loads.

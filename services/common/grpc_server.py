@@ -1,13 +1,8 @@
-"""What every specd gRPC service shares: server start-up, graceful SIGTERM, a metrics port."""
+"""What every specd gRPC service shares: channel/server options and the metrics port."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-from collections.abc import Awaitable, Callable
-
-import grpc
 
 log = logging.getLogger(__name__)
 
@@ -32,34 +27,3 @@ def start_metrics_server(port: int | None) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(port)
-
-
-async def run_server(
-    register: Callable[[grpc.aio.Server], None],
-    host: str,
-    port: int,
-    on_stop: Callable[[], Awaitable[None]] | None = None,
-    ready_message: str = "",
-) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully (in-flight calls get a short grace)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    register(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
-    await server.start()
-    if ready_message:
-        print(ready_message.format(port=bound), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.ensure_future(server.wait_for_termination())
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-    log.info("shutting down")
-    await server.stop(grace=2.0)
-    if on_stop is not None:
-        await on_stop()
-    for t in (waiter, stopper):
-        t.cancel()

@@ -1,7 +1,8 @@
 """The draft gRPC service: a thin servicer around :class:`DraftWorker`.
 
-All model work runs on one dedicated thread (the worker is single-threaded by design); the asyncio
-loop only moves messages. Each Draft stream gets its own id; closing it frees its sequences.
+All model work runs on the main thread (services/common/main_thread.py: oneDNN is much slower from
+other threads); the asyncio loop, on a helper thread, only moves messages. Each Draft stream gets
+its own id; closing it frees its sequences.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from services.common.grpc_server import run_server, start_metrics_server
+from services.common.grpc_server import start_metrics_server
+from services.common.main_thread import MainThreadWorker, serve_with_main_thread
 from services.draft import metrics
 from services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
 from services.engine.sampling import SamplingParams
@@ -55,14 +56,13 @@ def block_to_pb(b: BlockOut) -> draft_pb2.Block:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, worker: DraftWorker, info: common_pb2.InfoResponse) -> None:
+    def __init__(self, worker: DraftWorker, info: common_pb2.InfoResponse, model_thread: MainThreadWorker) -> None:
         self.worker = worker
         self.info = info
-        # One thread: the model and its cache are not shared between threads.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+        self.model_thread = model_thread  # the model and its cache are only touched on that thread
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await self.model_thread.call(fn, *args)
 
     def _round(self, stream: str, rnd: draft_pb2.DraftRound) -> draft_pb2.DraftBlocks:
         t0 = time.perf_counter()
@@ -139,16 +139,18 @@ def model_name(path: str) -> str:
     return path.rstrip("/").split("/")[-1]
 
 
-async def serve(cfg: DraftServerConfig) -> None:
+def serve(cfg: DraftServerConfig) -> None:
     """Load the draft model and serve DraftService until SIGTERM."""
     worker, info = build_worker(cfg)
     start_metrics_server(cfg.metrics_port)
     metrics.DRAFT_SEQUENCES.set(0)
-    servicer = DraftServicer(worker, info)
-    await run_server(
+    model_thread = MainThreadWorker()
+    servicer = DraftServicer(worker, info, model_thread)
+    serve_with_main_thread(
         lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
         cfg.host,
         cfg.port,
+        main=model_thread.run,
+        stop_main=model_thread.stop,
         ready_message=f"specd draft service ({info.model_name}) listening on port {{port}}",
     )
-    servicer.executor.shutdown(wait=False, cancel_futures=True)

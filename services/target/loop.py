@@ -1,4 +1,7 @@
-"""The engine's own thread: it owns the :class:`Engine` and steps it while there is work.
+"""The engine's loop: it owns the :class:`Engine` and steps it while there is work.
+
+It runs on the process's main thread (:meth:`EngineLoop.run`; see services/common/main_thread.py
+for why), or on a thread of its own (:meth:`start`, used by tests).
 
 gRPC handlers (on the asyncio loop) talk to it only through :meth:`EngineLoop.submit` and
 :meth:`EngineLoop.abort`, which enqueue commands; outputs go back through each request's ``sink``
@@ -29,15 +32,16 @@ class EngineLoop:
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[str, Sink] = {}
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.running = False
 
     def start(self) -> None:
-        self.thread.start()
+        """Run the loop on a new thread instead of the caller's."""
+        threading.Thread(target=self.run, name="engine-loop", daemon=True).start()
 
     def stop(self) -> None:
+        """Ask the loop to return (safe from a signal handler or another thread)."""
         self._stop.set()
         self.inbox.put(("wake",))
-        self.thread.join(timeout=5)
 
     def submit(self, req: Request, sink: Sink) -> None:
         self.inbox.put(("add", req, sink))
@@ -68,7 +72,15 @@ class EngineLoop:
             self._handle(cmd)
             idle = False  # after the first command, take whatever else is queued without waiting
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Step until :meth:`stop`; blocks the calling thread."""
+        self.running = True
+        try:
+            self._loop()
+        finally:
+            self.running = False
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain()
             rounds = self.engine.rounds

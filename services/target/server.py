@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.grpc_server import GRPC_OPTIONS, run_server, start_metrics_server
+from services.common.grpc_server import GRPC_OPTIONS, start_metrics_server
+from services.common.main_thread import serve_with_main_thread
 from services.engine.chat import encode_chat, encode_text
 from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, Request, SpecConfig, StepOutput
 from services.engine.sampling import SamplingParams
@@ -54,11 +55,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.info = info
         self.cfg = cfg
         self.live: set[str] = set()
-        # Separate async channels for health probes; the engine thread owns the Draft streams.
-        self.draft_health = [
-            draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(a, options=GRPC_OPTIONS))
-            for a in cfg.draft_addresses
-        ]
+        # Async channels for health probes (the engine loop owns the Draft streams), created on the
+        # gRPC loop at first use: aio channels belong to the loop they are made on.
+        self._draft_health: list[draft_pb2_grpc.DraftServiceStub] | None = None
+
+    @property
+    def draft_health(self) -> list[draft_pb2_grpc.DraftServiceStub]:
+        if self._draft_health is None:
+            self._draft_health = [
+                draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(a, options=GRPC_OPTIONS))
+                for a in self.cfg.draft_addresses
+            ]
+        return self._draft_health
 
     # ----------------------------------------------------------------------- conversion
 
@@ -176,7 +184,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             )
             healthy = sum(isinstance(r, common_pb2.HealthResponse) and r.serving for r in replies)
         return common_pb2.HealthResponse(
-            serving=self.loop.thread.is_alive(),
+            serving=self.loop.running,
             draft_endpoints_healthy=healthy,
             draft_endpoints_total=len(self.draft_health),
         )
@@ -222,7 +230,7 @@ def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResp
     return EngineLoop(engine, metrics.SpecExporter()), info
 
 
-async def check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) -> None:
+async def _check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) -> None:
     """Refuse a draft whose vocabulary differs; a draft that is not up yet is only logged."""
     for a in cfg.draft_addresses:
         async with grpc.aio.insecure_channel(a) as ch:
@@ -235,25 +243,23 @@ async def check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) -
             raise SystemExit(f"draft {a} ({d.model_name}) has vocab {d.vocab_size}, the target {info.vocab_size}")
 
 
-async def serve(cfg: TargetServerConfig) -> None:
-    """Load the target, start the engine thread and serve TargetService until SIGTERM."""
+def serve(cfg: TargetServerConfig) -> None:
+    """Load the target and serve TargetService until SIGTERM; the engine loop runs on this thread."""
     loop, info = build_loop(cfg)
-    await check_drafts(cfg, info)
+    asyncio.run(_check_drafts(cfg, info))
     start_metrics_server(cfg.metrics_port)
     metrics.REQUESTS_RUNNING.set(0)
-    loop.start()
     servicer = TargetServicer(loop, info, cfg)
-
-    async def stop() -> None:
-        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+    try:
+        serve_with_main_thread(
+            lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+            cfg.host,
+            cfg.port,
+            main=loop.run,
+            stop_main=loop.stop,
+            ready_message=f"specd target service ({info.model_name}) listening on port {{port}}",
+        )
+    finally:
         drafter = loop.engine.drafters.get("draft")
         if drafter is not None and hasattr(drafter, "close"):
             drafter.close()
-
-    await run_server(
-        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
-        cfg.host,
-        cfg.port,
-        on_stop=stop,
-        ready_message=f"specd target service ({info.model_name}) listening on port {{port}}",
-    )

@@ -1,0 +1,324 @@
+"""``specd bench --serve``: the whole stack (gateway + target + draft processes) against the engine.
+
+In one run, interleaved:
+
+- **through the stack**: streaming ``/v1/completions`` requests at concurrency 1, 4 and 16, with
+  speculation off (``none``) and on (``draft``, k=3), greedy, exactly ``max_tokens`` tokens each;
+- **in-process**: the same prompts through the :class:`Engine` in this process (the stack stopped,
+  so it has the machine to itself), batch 1, ``none`` and ``draft``.
+
+Reported per (concurrency, method): time to first token, time between tokens p50/p99 (a chunk of n
+tokens counts as n gaps of its interval / n, as the gateway's histogram does), aggregate tokens/s,
+the speed-up of ``draft`` over ``none``, and at concurrency 1 the stack's overhead against the
+in-process engine: per token, and as the share of the in-process speed-up the stack keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks.engine_bench import CODE_PROMPTS
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    target: str
+    draft: str
+    dtype: str = "bfloat16"
+    k: int = 3
+    max_tokens: int = 96
+    concurrencies: tuple[int, ...] = (1, 4, 16)
+    repeats: int = 2
+    out_dir: str = "benchmarks/results"
+    quick: bool = False
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    method: str
+    tokens: int = 0
+    wall_seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Stack:
+    """``specd serve`` in its own process group, on free ports."""
+
+    def __init__(self, cfg: ServeBenchConfig) -> None:
+        self.port = _free_port()
+        args = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--target",
+            cfg.target,
+            "--draft",
+            cfg.draft,
+            "--dtype",
+            cfg.dtype,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--num-speculative-tokens",
+            str(cfg.k),
+        ]
+        for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
+            args += [flag, str(_free_port())]
+        self.log = open(Path(cfg.out_dir) / "serve_bench.log.tmp", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("specd serve exited during start-up; see serve_bench.log.tmp")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("specd serve did not become healthy")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the supervisor stops its three children
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+async def _one_stream(client: httpx.AsyncClient, prompt: str, method: str, cfg: ServeBenchConfig, res: LoadResult):
+    body = {
+        "prompt": prompt,
+        "max_tokens": cfg.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+        "speculation": {"method": method, "num_tokens": cfg.k if method != "none" else 0},
+    }
+    t0 = time.perf_counter()
+    last = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                res.proposed += event["usage"]["speculation"]["proposed_tokens"]
+                res.accepted += event["usage"]["speculation"]["accepted_tokens"]
+            if not event["choices"]:
+                continue
+            n = len(event["choices"][0].get("token_ids", []))
+            if n == 0:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                res.ttft.append(now - t0)
+                res.gaps += [(now - t0) / n] * (n - 1)
+            else:
+                res.gaps += [(now - last) / n] * n
+            last = now
+            res.tokens += n
+
+
+async def _load(url: str, concurrency: int, method: str, cfg: ServeBenchConfig, prompts: list[str]) -> LoadResult:
+    res = LoadResult(concurrency, method)
+    per_worker = max(1, len(prompts) // concurrency) if concurrency <= len(prompts) else 2
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def worker(w: int) -> None:
+            for j in range(per_worker):
+                await _one_stream(client, prompts[(w + j * concurrency) % len(prompts)], method, cfg, res)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        res.wall_seconds = time.perf_counter() - t0
+    return res
+
+
+def _merge(into: LoadResult, other: LoadResult) -> None:
+    into.tokens += other.tokens
+    into.wall_seconds += other.wall_seconds
+    into.ttft += other.ttft
+    into.gaps += other.gaps
+    into.proposed += other.proposed
+    into.accepted += other.accepted
+
+
+def _in_process(cfg: ServeBenchConfig, prompts: list[str]) -> dict[str, float]:
+    """Batch-1 tokens/s of the engine in this process, ``none`` and ``draft``, interleaved."""
+    from services.engine.builder import ModelSpec, build_engine
+    from services.engine.chat import encode_text
+    from services.engine.engine import EngineConfig, Request, SpecConfig
+    from services.engine.sampling import SamplingParams
+
+    engine = build_engine(ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1))
+    ids = [tuple(encode_text(engine.tokenizer, p)) for p in prompts]
+    tokens = {"none": 0, "draft": 0}
+    seconds = {"none": 0.0, "draft": 0.0}
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    for rep in range(cfg.repeats + 1):  # the first pass warms up and is not counted
+        for method in ("none", "draft"):
+            for i, p in enumerate(ids):
+                req = Request(f"{method}-{rep}-{i}", p, params, SpecConfig(method, cfg.k if method == "draft" else 0))
+                t0 = time.perf_counter()
+                out = engine.generate([req])[req.request_id]
+                if rep:
+                    seconds[method] += time.perf_counter() - t0
+                    tokens[method] += len(out.token_ids)
+    return {m: tokens[m] / seconds[m] for m in tokens}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_serve_bench(cfg: ServeBenchConfig) -> dict:
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = CODE_PROMPTS[:2] if cfg.quick else CODE_PROMPTS
+    concurrencies = (1, 4) if cfg.quick else cfg.concurrencies
+    repeats = 1 if cfg.quick else cfg.repeats
+    print(f"starting specd serve ({cfg.dtype}) ...", flush=True)
+    stack = _Stack(cfg)
+    results: dict[tuple[int, str], LoadResult] = {}
+    try:
+        for method in ("none", "draft"):  # warm-up, not counted
+            asyncio.run(_load(stack.url, 2, method, cfg, prompts[:2]))
+        for rep in range(repeats):
+            for c in concurrencies:
+                for method in ("none", "draft"):
+                    r = asyncio.run(_load(stack.url, c, method, cfg, prompts))
+                    key = (c, method)
+                    if key in results:
+                        _merge(results[key], r)
+                    else:
+                        results[key] = r
+                    print(
+                        f"  pass {rep + 1}: concurrency {c:2d} {method:5s} {r.tokens_per_second:7.1f} tok/s", flush=True
+                    )
+    finally:
+        stack.stop()
+    print("in-process engine (stack stopped) ...", flush=True)
+    inproc = _in_process(cfg, prompts)
+    doc = _document(cfg, results, inproc, concurrencies)
+    (out / "serve_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(render(doc))
+    return doc
+
+
+def _document(cfg, results, inproc, concurrencies) -> dict:
+    rows = []
+    for c in concurrencies:
+        base = results[(c, "none")]
+        for method in ("none", "draft"):
+            r = results[(c, method)]
+            rows.append(
+                {
+                    "concurrency": c,
+                    "method": method,
+                    "requests": len(r.ttft),
+                    "tokens": r.tokens,
+                    "tokens_per_second": round(r.tokens_per_second, 1),
+                    "speedup": round(r.tokens_per_second / base.tokens_per_second, 3),
+                    "ttft_ms_p50": round(1000 * statistics.median(r.ttft), 2),
+                    "tbt_ms_p50": round(1000 * _pct(r.gaps, 0.5), 2),
+                    "tbt_ms_p99": round(1000 * _pct(r.gaps, 0.99), 2),
+                    "acceptance_rate": round(r.accepted / r.proposed, 3) if r.proposed else None,
+                }
+            )
+    c1 = {m: results[(1, m)].tokens_per_second for m in ("none", "draft")}
+    e2e_speedup = c1["draft"] / c1["none"]
+    inproc_speedup = inproc["draft"] / inproc["none"]
+    overhead = {
+        m: {
+            "in_process_tokens_per_second": round(inproc[m], 1),
+            "stack_tokens_per_second": round(c1[m], 1),
+            "overhead_ms_per_token": round(1000 * (1 / c1[m] - 1 / inproc[m]), 3),
+        }
+        for m in ("none", "draft")
+    }
+    return {
+        "config": asdict(cfg),
+        "rows": rows,
+        "concurrency_1": {
+            "in_process_speedup": round(inproc_speedup, 3),
+            "stack_speedup": round(e2e_speedup, 3),
+            "share_of_in_process_speedup_kept": round(e2e_speedup / inproc_speedup, 3),
+            "per_method": overhead,
+        },
+    }
+
+
+def render(doc: dict) -> str:
+    """Markdown tables (the README's)."""
+    lines = [
+        "| concurrency | speculation | tokens/s | speed-up | TTFT p50 (ms) | TBT p50 (ms) | TBT p99 (ms) "
+        "| acceptance |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        lines.append(
+            f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['ttft_ms_p50']:.1f} | {r['tbt_ms_p50']:.2f} | {r['tbt_ms_p99']:.2f} | {acc} |"
+        )
+    c1 = doc["concurrency_1"]
+    lines += [
+        "",
+        "| concurrency 1 | in-process tok/s | through the stack tok/s | overhead per token (ms) |",
+        "|---|---|---|---|",
+    ]
+    for m, v in c1["per_method"].items():
+        lines.append(
+            f"| {m} | {v['in_process_tokens_per_second']:.1f} | {v['stack_tokens_per_second']:.1f} | "
+            f"{v['overhead_ms_per_token']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Speed-up at concurrency 1: in-process {c1['in_process_speedup']:.2f}x, through the stack "
+        f"{c1['stack_speedup']:.2f}x: the stack keeps {100 * c1['share_of_in_process_speedup_kept']:.0f}% of it.",
+    ]
+    return "\n".join(lines)

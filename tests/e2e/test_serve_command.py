@@ -1,0 +1,94 @@
+"""``specd serve``: prints the URL once ready; Ctrl-C stops all three; no orphan survives the supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.processes import REPO, free_port
+
+pytestmark = pytest.mark.demo
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    port = free_port()
+    args = [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
+        args += [flag, str(free_port())]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as f:
+        p = subprocess.Popen(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, process_group=0)
+    deadline = time.monotonic() + 180
+    while "specd is ready" not in log.read_text():
+        assert p.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    return p, port, log
+
+
+def _cleanup(p: subprocess.Popen, kids: list[int]) -> None:
+    for pid in [p.pid, *kids]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+
+
+def test_serve_prints_url_serves_and_stops_on_ctrl_c(tmp_path) -> None:
+    p, port, log = _start(tmp_path)
+    kids = _children(p.pid)
+    try:
+        assert len(kids) == 3
+        assert f"http://localhost:{port}/v1" in log.read_text()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        os.kill(p.pid, signal.SIGINT)  # what Ctrl-C sends
+        assert p.wait(timeout=30) == 0
+        assert not any(_alive(k) for k in kids)
+    finally:
+        _cleanup(p, kids)
+
+
+def test_no_orphans_when_the_supervisor_is_killed(tmp_path) -> None:
+    p, _, _ = _start(tmp_path)
+    kids = _children(p.pid)
+    try:
+        assert len(kids) == 3
+        os.kill(p.pid, signal.SIGKILL)  # no chance to clean up: the kernel's parent-death signal must
+        p.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(k) for k in kids):
+            assert time.monotonic() < deadline, "children outlived the supervisor"
+            time.sleep(0.2)
+    finally:
+        _cleanup(p, kids)
