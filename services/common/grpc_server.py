@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
-log = logging.getLogger(__name__)
-
 # Candidate blocks with sparse q and prompts of a full context stay far below this; it only guards
 # against a runaway message.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

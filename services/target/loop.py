@@ -1,7 +1,7 @@
 """The engine's loop: it owns the :class:`Engine` and steps it while there is work.
 
-It runs on the process's main thread (:meth:`EngineLoop.run`; see services/common/main_thread.py
-for why), or on a thread of its own (:meth:`start`, used by tests).
+It runs on the process's main thread (:meth:`EngineLoop.run`; services/common/main_thread.py says
+why).
 
 gRPC handlers (on the asyncio loop) talk to it only through :meth:`EngineLoop.submit` and
 :meth:`EngineLoop.abort`, which enqueue commands; outputs go back through each request's ``sink``
@@ -24,7 +24,7 @@ Sink = Callable[[StepOutput | Exception], None]
 
 
 class EngineLoop:
-    """Runs ``engine.step()`` rounds on a dedicated thread and routes outputs to their sinks."""
+    """Runs ``engine.step()`` rounds on the thread that calls :meth:`run`; routes outputs to sinks."""
 
     def __init__(self, engine: Engine, exporter: SpecExporter) -> None:
         self.engine = engine
@@ -33,10 +33,6 @@ class EngineLoop:
         self.sinks: dict[str, Sink] = {}
         self._stop = threading.Event()
         self.running = False
-
-    def start(self) -> None:
-        """Run the loop on a new thread instead of the caller's."""
-        threading.Thread(target=self.run, name="engine-loop", daemon=True).start()
 
     def stop(self) -> None:
         """Ask the loop to return (safe from a signal handler or another thread)."""

@@ -69,8 +69,11 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c(tmp_path) -> None:
     try:
         assert len(kids) == 3
         assert f"http://localhost:{port}/v1" in log.read_text()
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, timeout=60)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
         os.kill(p.pid, signal.SIGINT)  # what Ctrl-C sends
         assert p.wait(timeout=30) == 0
