@@ -99,28 +99,25 @@ async def open_generation(
     for target in pool.candidates():
         call = target.stub.Generate(msg)
         target.outstanding += 1
+        header = None
         try:
             header = await asyncio.wait_for(call.read(), timeout)
         except grpc.aio.AioRpcError as e:
-            target.outstanding -= 1
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise _invalid_argument(e.details() or "invalid request", prompt_param) from None
-            if e.code() in _RETRYABLE:
-                target.healthy = False  # until the next probe says otherwise
-                continue
-            raise APIError(
-                503, "the target service failed to start the generation", code="service_unavailable"
-            ) from None
+            if e.code() not in _RETRYABLE:
+                raise APIError(
+                    503, "the target service failed to start the generation", code="service_unavailable"
+                ) from None
+            target.healthy = False  # until the next probe says otherwise
         except TimeoutError:
-            call.cancel()
-            target.outstanding -= 1
-            continue
-        except asyncio.CancelledError:  # the client left while we waited
-            call.cancel()
-            target.outstanding -= 1
-            raise
-        if header is grpc.aio.EOF:
-            target.outstanding -= 1
-            continue
-        return Generation(target, call, request_id, header.prompt_tokens)
+            pass  # try the next target
+        finally:
+            # Not accepted (an error, a timeout, an empty stream, or the client left while we
+            # waited): give the slot back and make sure the call is gone.
+            if header is None or header is grpc.aio.EOF:
+                call.cancel()
+                target.outstanding -= 1
+        if header is not None and header is not grpc.aio.EOF:
+            return Generation(target, call, request_id, header.prompt_tokens)
     raise APIError(503, "no target service is available; retry later", code="service_unavailable")

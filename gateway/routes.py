@@ -69,15 +69,16 @@ class _Shape:
 
     def __init__(self, chat: bool, rid: str, model: str) -> None:
         self.chat = chat
+        self.object = "chat.completion.chunk" if chat else "text_completion"  # of a streamed chunk
         self.base = {"id": rid, "created": int(time.time()), "model": model}
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict:
         if self.chat:
             delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {**self.base, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {**self.base, "object": "text_completion", "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self.base, "object": self.object, "choices": [choice]}
 
     def full(self, text: str, finish: str | None, usage: dict) -> dict:
         if self.chat:
@@ -116,7 +117,7 @@ async def _stream(
             yield _sse(
                 {
                     **shape.base,
-                    "object": shape.chunk("", None)["object"],
+                    "object": shape.object,
                     "choices": [],
                     "usage": _usage(gen.prompt_tokens, last),
                 }

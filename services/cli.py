@@ -140,24 +140,18 @@ def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
 
+def _service_kwargs(args: argparse.Namespace) -> dict:
+    """The ServiceConfig fields every model service shares (see _add_service_args)."""
+    names = ("model", "port", "host", "metrics_port", "dtype", "device", "backend", "max_model_len")
+    return {n: getattr(args, n) for n in names} | {"served_model_name": args.served_model_name}
+
+
 def cmd_draft(args: argparse.Namespace) -> int:
     from services.common.runtime import configure_torch_threads
     from services.draft.server import DraftServerConfig, serve
 
     configure_torch_threads(args.threads)
-    cfg = DraftServerConfig(
-        model=args.model,
-        port=args.port,
-        host=args.host,
-        metrics_port=args.metrics_port,
-        dtype=args.dtype,
-        device=args.device,
-        backend=args.backend,
-        max_sequences=args.max_sequences,
-        max_model_len=args.max_model_len,
-        support=args.proposal_support,
-        served_model_name=args.served_model_name,
-    )
+    cfg = DraftServerConfig(**_service_kwargs(args), max_sequences=args.max_sequences, support=args.proposal_support)
     serve(cfg)
     return 0
 
@@ -168,20 +162,12 @@ def cmd_target(args: argparse.Namespace) -> int:
 
     configure_torch_threads(args.threads)
     cfg = TargetServerConfig(
-        model=args.model,
+        **_service_kwargs(args),
         draft_addresses=_addresses(args.draft_address or ""),
-        port=args.port,
-        host=args.host,
-        metrics_port=args.metrics_port,
-        dtype=args.dtype,
-        device=args.device,
-        backend=args.backend,
         max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
         default_method=args.speculation_method,
         default_num_tokens=args.num_speculative_tokens,
         draft_round_timeout=args.draft_timeout,
-        served_model_name=args.served_model_name,
     )
     serve(cfg)
     return 0

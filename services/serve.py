@@ -49,47 +49,16 @@ def _die_with_parent() -> None:
 
 def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
     cli = [sys.executable, "-m", "services.cli"]
+
+    def model_service(role: str, model: str, port: int, metrics_port: int) -> list[str]:
+        return [*cli, role, "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
+                "--dtype", cfg.dtype, "--device", cfg.device, "--host", "127.0.0.1"]  # fmt: skip
+
     cmds = []
     if cfg.draft:
-        cmds.append(
-            (
-                "draft",
-                [
-                    *cli,
-                    "draft",
-                    "--model",
-                    cfg.draft,
-                    "--port",
-                    str(cfg.draft_port),
-                    "--metrics-port",
-                    str(cfg.draft_metrics_port),
-                    "--dtype",
-                    cfg.dtype,
-                    "--device",
-                    cfg.device,
-                    "--host",
-                    "127.0.0.1",
-                ],
-            )
-        )
-    target = [
-        *cli,
-        "target",
-        "--model",
-        cfg.target,
-        "--port",
-        str(cfg.target_port),
-        "--metrics-port",
-        str(cfg.target_metrics_port),
-        "--dtype",
-        cfg.dtype,
-        "--device",
-        cfg.device,
-        "--host",
-        "127.0.0.1",
-        "--num-speculative-tokens",
-        str(cfg.num_speculative_tokens),
-    ]
+        cmds.append(("draft", model_service("draft", cfg.draft, cfg.draft_port, cfg.draft_metrics_port)))
+    target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port)
+    target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
     if cfg.draft:
         target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
     cmds.append(("target", target))

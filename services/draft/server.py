@@ -13,39 +13,22 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from services.common.config import ServiceConfig
+from services.common.convert import sampling_from_pb
 from services.common.grpc_server import start_metrics_server
 from services.common.main_thread import MainThreadWorker, serve_with_main_thread
 from services.draft import metrics
 from services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
-from services.engine.sampling import SamplingParams
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DraftServerConfig:
-    model: str
+class DraftServerConfig(ServiceConfig):
     port: int = 50051
-    host: str = "0.0.0.0"
-    metrics_port: int | None = None
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    backend: str = "auto"
     max_sequences: int = 64
-    max_model_len: int = 1024
     support: int = 128  # entries of the truncated q sent per sampled guess
-    served_model_name: str | None = None
-
-
-def sampling_from_pb(s: common_pb2.SamplingParams) -> SamplingParams:
-    """Only the fields that shape q (max_tokens does not matter to a drafter)."""
-    return SamplingParams(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p if s.top_p > 0 else 1.0,
-        seed=s.seed if s.HasField("seed") else None,
-    )
 
 
 def block_to_pb(b: BlockOut) -> draft_pb2.Block:
@@ -126,17 +109,13 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
     max_len = min(cfg.max_model_len, model.info.max_context)
     drafter = ModelDrafter(model, cfg.max_sequences, max_len + MAX_SPECULATIVE_TOKENS + 2, support=cfg.support)
     info = common_pb2.InfoResponse(
-        model_name=cfg.served_model_name or model_name(cfg.model),
+        model_name=cfg.model_name,
         vocab_size=model.info.vocab_size,
         max_context=max_len,
         role="draft",
         max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
     )
     return DraftWorker(drafter, max_len, cfg.support, MAX_SPECULATIVE_TOKENS), info
-
-
-def model_name(path: str) -> str:
-    return path.rstrip("/").split("/")[-1]
 
 
 def serve(cfg: DraftServerConfig) -> None:

@@ -160,7 +160,10 @@ class Engine:
         if not req.prompt_ids:
             raise ValueError("prompt is empty")
         if len(req.prompt_ids) >= self.max_len:
-            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; this model's context is {self.max_len} tokens")
+            raise ValueError(
+                f"this model's maximum context length is {self.max_len} tokens; "
+                f"the prompt has {len(req.prompt_ids)} tokens"
+            )
         vocab = self.target.info.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

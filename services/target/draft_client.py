@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from services.common.convert import sampling_to_pb
 from services.common.grpc_server import GRPC_OPTIONS
 from services.engine.drafters import DraftRow, Proposal
 from services.engine.sampling import BatchSampling, SamplingParams
@@ -138,6 +139,7 @@ class DraftEndpoint:
 @dataclass
 class _SeqState:
     endpoint: DraftEndpoint
+    sampling: common_pb2.SamplingParams  # what the draft needs to build the same q as the target's p
     known: int = 0  # committed tokens the draft has seen
     num_accepted: int = 0  # of the last proposal, to report next round
 
@@ -160,16 +162,12 @@ class RemoteDrafter:
         self.on_failure = on_failure or (lambda address: None)
         self.endpoints = [DraftEndpoint(a, cfg) for a in cfg.addresses]
         self.seqs: dict[str, _SeqState] = {}
-        self.params: dict[str, common_pb2.SamplingParams] = {}
         self._round_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ Drafter protocol
 
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        p = params or SamplingParams()
-        # The draft applies the same temperature / top-k / top-p to q as the target to p.
-        self.params[seq_id] = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        self.seqs[seq_id] = _SeqState(self._pick())
+        self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()))
         self.seqs[seq_id].endpoint.assigned += 1
 
     def accepted(self, seq_id: str, num_accepted: int) -> None:
@@ -179,7 +177,6 @@ class RemoteDrafter:
 
     def remove(self, seq_id: str) -> None:
         st = self.seqs.pop(seq_id, None)
-        self.params.pop(seq_id, None)
         if st is None:
             return
         st.endpoint.assigned -= 1
@@ -236,7 +233,7 @@ class RemoteDrafter:
         if new is not st.endpoint:
             st.endpoint.assigned -= 1
             new.assigned += 1
-            self.seqs[seq_id] = _SeqState(new)
+            self.seqs[seq_id] = _SeqState(new, st.sampling)
 
     def _round_msg(self, ep: DraftEndpoint, round_id: int, rows: list[DraftRow]) -> draft_pb2.DraftRound:
         msg = draft_pb2.DraftRound(round_id=round_id)
@@ -244,7 +241,7 @@ class RemoteDrafter:
             st = self.seqs[r.seq_id]
             seed = 0 if r.generator is None else int(torch.randint(0, 2**62, (1,), generator=r.generator))
             if r.seq_id not in ep.opened:
-                msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=self.params.get(r.seq_id))
+                msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
                 ep.opened.add(r.seq_id)
                 st.known, st.num_accepted = len(r.tokens), 0
             msg.rows.add(

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.config import ServiceConfig
+from services.common.convert import sampling_from_pb
 from services.common.grpc_server import GRPC_OPTIONS, start_metrics_server
 from services.common.main_thread import serve_with_main_thread
 from services.engine.chat import encode_chat, encode_text
 from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, Request, SpecConfig, StepOutput
-from services.engine.sampling import SamplingParams
 from services.target import metrics
 from services.target.loop import EngineLoop
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -26,21 +27,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TargetServerConfig:
-    model: str
-    draft_addresses: tuple[str, ...] = ()
+class TargetServerConfig(ServiceConfig):
     port: int = 50052
-    host: str = "0.0.0.0"
-    metrics_port: int | None = None
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    backend: str = "auto"
+    draft_addresses: tuple[str, ...] = ()
     max_batch_size: int = 16
-    max_model_len: int = 1024
     default_method: str | None = None  # None: "draft" with draft addresses, else "none"
     default_num_tokens: int = 3  # best measured k for the demo pair (README, engine benchmark)
     draft_round_timeout: float = 2.0
-    served_model_name: str | None = None
 
     @property
     def method(self) -> str:
@@ -88,29 +81,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             prompt = list(msg.tokens.token_ids)
         else:
             raise ValueError("a prompt is required")
-        if not prompt:
-            raise ValueError("prompt is empty")
         max_len = self.engine.max_len
-        if len(prompt) >= max_len:
-            raise ValueError(
-                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt)} tokens"
-            )
         if msg.max_tokens and len(prompt) + msg.max_tokens > max_len:
             raise ValueError(
                 f"this model's maximum context length is {max_len} tokens; you requested "
                 f"{len(prompt) + msg.max_tokens} tokens ({len(prompt)} in the prompt, {msg.max_tokens} to generate)"
             )
-        s = msg.sampling
-        max_tokens = msg.max_tokens or (max_len - len(prompt))
-        params = SamplingParams(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p if s.top_p > 0 else 1.0,
-            seed=s.seed if s.HasField("seed") else None,
-            max_tokens=max_tokens,
-            stop=tuple(msg.stop),
-            ignore_eos=msg.ignore_eos,
-        )
+        # Unset max_tokens: up to the context. (An empty or over-long prompt is refused by
+        # engine.validate below; max(1, ...) only keeps SamplingParams from refusing it first.)
+        max_tokens = msg.max_tokens or max(1, max_len - len(prompt))
+        params = sampling_from_pb(msg.sampling, max_tokens=max_tokens, stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)
         sp = msg.speculation
         method = sp.method or self.cfg.method
         num = sp.num_tokens or self.cfg.default_num_tokens
@@ -220,7 +200,7 @@ def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResp
     engine = Engine(target, tokenizer, None, EngineConfig(cfg.max_batch_size, cfg.max_model_len), drafter=drafter)
     methods = ["ngram", "none"] + (["draft", "hybrid"] if drafter else [])
     info = common_pb2.InfoResponse(
-        model_name=cfg.served_model_name or cfg.model.rstrip("/").split("/")[-1],
+        model_name=cfg.model_name,
         vocab_size=target.info.vocab_size,
         max_context=engine.max_len,
         role="target",

@@ -1,0 +1,25 @@
+"""Sampling parameters between the engine's dataclass and the wire (specd.v1.SamplingParams)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.engine.sampling import SamplingParams
+from specd.v1 import common_pb2
+
+
+def sampling_from_pb(s: common_pb2.SamplingParams, **request_fields: Any) -> SamplingParams:
+    """The engine's SamplingParams; ``request_fields`` adds what the wire message does not carry
+    (max_tokens, stop, ignore_eos). An unset top_p (0) means top-p off."""
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+        **request_fields,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    """The fields that shape a distribution (what a draft needs to build the same q as the target's p)."""
+    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
