@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+from collections.abc import Callable
+
+import grpc
+
 # Candidate blocks with sparse q and prompts of a full context stay far below this; it only guards
 # against a runaway message.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -23,3 +29,23 @@ def start_metrics_server(port: int | None) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(port)
+
+
+async def run_server(
+    register: Callable[[grpc.aio.Server], None], host: str, port: int, ready_message: str = ""
+) -> None:
+    """Serve on the running (main-thread) loop until SIGTERM or SIGINT, then stop gracefully."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    register(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    await server.start()
+    if ready_message:
+        print(ready_message.format(port=bound), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)

@@ -1,8 +1,8 @@
 """The draft gRPC service: a thin servicer around :class:`DraftWorker`.
 
-All model work runs on the main thread (services/common/main_thread.py: oneDNN is much slower from
-other threads); the asyncio loop, on a helper thread, only moves messages. Each Draft stream gets
-its own id; closing it frees its sequences.
+Model work runs inline on the main-thread event loop (see services/target/loop.py for why the main
+thread): a round blocks the loop for its few milliseconds, and rounds of one model are serial
+anyway. Each Draft stream gets its own id; closing it frees its sequences.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from services.common.config import ServiceConfig
 from services.common.convert import sampling_from_pb
-from services.common.grpc_server import start_metrics_server
-from services.common.main_thread import MainThreadWorker, serve_with_main_thread
+from services.common.grpc_server import run_server, start_metrics_server
 from services.draft import metrics
 from services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -39,13 +38,9 @@ def block_to_pb(b: BlockOut) -> draft_pb2.Block:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, worker: DraftWorker, info: common_pb2.InfoResponse, model_thread: MainThreadWorker) -> None:
+    def __init__(self, worker: DraftWorker, info: common_pb2.InfoResponse) -> None:
         self.worker = worker
         self.info = info
-        self.model_thread = model_thread  # the model and its cache are only touched on that thread
-
-    async def _run(self, fn, *args):
-        return await self.model_thread.call(fn, *args)
 
     def _round(self, stream: str, rnd: draft_pb2.DraftRound) -> draft_pb2.DraftBlocks:
         t0 = time.perf_counter()
@@ -82,10 +77,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         stream = uuid.uuid4().hex[:12]
         try:
             async for rnd in request_iterator:
-                yield await self._run(self._round, stream, rnd)
+                yield self._round(stream, rnd)
         finally:
             # Runs on normal close, on cancellation and when the target dies: nothing leaks.
-            await asyncio.shield(self._run(self._close_stream, stream))
+            self._close_stream(stream)
 
     async def Health(self, request, context):
         return common_pb2.HealthResponse(serving=True)
@@ -94,7 +89,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return self.info
 
     async def Release(self, request, context):
-        released = await self._run(self.worker.release_anywhere, request.sequence_id)
+        released = self.worker.release_anywhere(request.sequence_id)
         metrics.DRAFT_SEQUENCES.set(self.worker.active)
         return common_pb2.ReleaseResponse(released=released)
 
@@ -123,13 +118,12 @@ def serve(cfg: DraftServerConfig) -> None:
     worker, info = build_worker(cfg)
     start_metrics_server(cfg.metrics_port)
     metrics.DRAFT_SEQUENCES.set(0)
-    model_thread = MainThreadWorker()
-    servicer = DraftServicer(worker, info, model_thread)
-    serve_with_main_thread(
-        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
-        cfg.host,
-        cfg.port,
-        main=model_thread.run,
-        stop_main=model_thread.stop,
-        ready_message=f"specd draft service ({info.model_name}) listening on port {{port}}",
+    servicer = DraftServicer(worker, info)
+    asyncio.run(
+        run_server(
+            lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+            cfg.host,
+            cfg.port,
+            ready_message=f"specd draft service ({info.model_name}) listening on port {{port}}",
+        )
     )

@@ -1,18 +1,21 @@
-"""The engine's loop: it owns the :class:`Engine` and steps it while there is work.
+"""The engine's loop: an asyncio task that owns the :class:`Engine` and steps it while there is work.
 
-It runs on the process's main thread (:meth:`EngineLoop.run`; services/common/main_thread.py says
-why).
+It runs on the same (main-thread) event loop as the gRPC server. A step blocks the loop for one
+round, which costs nothing here: requests that arrive meanwhile could only join at the next round
+anyway, and outputs are handed to their handlers right after it. What it saves is measured:
 
-gRPC handlers (on the asyncio loop) talk to it only through :meth:`EngineLoop.submit` and
-:meth:`EngineLoop.abort`, which enqueue commands; outputs go back through each request's ``sink``
-(a thread-safe callback). Nothing else touches the engine, so it needs no locks.
+- oneDNN kernels ran ~1.6x slower from any thread but the main one (the demo target: ~183 vs ~110
+  tok/s), so model work must stay on the main thread;
+- with gRPC on a second thread, every round paid thread hand-offs and GIL contention between the
+  two; one thread has neither.
+
+Handlers call :meth:`submit` / :meth:`abort`; each request's ``sink`` gets its outputs in order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
-import threading
 from collections.abc import Callable
 
 from services.engine.engine import Engine, Request, StepOutput
@@ -24,78 +27,62 @@ Sink = Callable[[StepOutput | Exception], None]
 
 
 class EngineLoop:
-    """Runs ``engine.step()`` rounds on the thread that calls :meth:`run`; routes outputs to sinks."""
+    """Steps the engine on the event loop and routes outputs to their sinks."""
 
     def __init__(self, engine: Engine, exporter: SpecExporter) -> None:
         self.engine = engine
         self.exporter = exporter
-        self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[str, Sink] = {}
-        self._stop = threading.Event()
+        self._wake = asyncio.Event()
+        self._stopping = False
         self.running = False
 
-    def stop(self) -> None:
-        """Ask the loop to return (safe from a signal handler or another thread)."""
-        self._stop.set()
-        self.inbox.put(("wake",))
-
     def submit(self, req: Request, sink: Sink) -> None:
-        self.inbox.put(("add", req, sink))
+        """Queue a request; raises ValueError for one the engine refuses."""
+        self.engine.add_request(req)
+        self.sinks[req.request_id] = sink
+        self._wake.set()
 
-    def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
+    def abort(self, request_id: str) -> bool:
+        """Stop a request (its caches are freed at the start of the next step); False if unknown."""
+        known = self.sinks.pop(request_id, None) is not None
+        self.engine.abort(request_id)
+        self._wake.set()
+        return known
 
-    def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, req, sink = cmd
-            try:
-                self.engine.add_request(req)
-            except ValueError as e:
-                sink(e)
-                return
-            self.sinks[req.request_id] = sink
-        elif cmd[0] == "abort":
-            self.engine.abort(cmd[1])
-            self.sinks.pop(cmd[1], None)
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
 
-    def _drain(self) -> None:
-        idle = not self.engine.has_work()
-        while True:
-            try:
-                cmd = self.inbox.get(timeout=0.5) if idle else self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self._handle(cmd)
-            idle = False  # after the first command, take whatever else is queued without waiting
-
-    def run(self) -> None:
-        """Step until :meth:`stop`; blocks the calling thread."""
+    async def run(self) -> None:
+        """Step until :meth:`stop`."""
         self.running = True
         try:
-            self._loop()
+            while not self._stopping:
+                if not self.engine.has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                self._round()
+                await asyncio.sleep(0)  # let handlers send what this round produced
         finally:
             self.running = False
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._drain()
-            rounds = self.engine.rounds
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug or an OOM must not take the service down
-                log.exception("engine step failed; failing its requests")
-                self._fail_all(e)
-                continue
-            if self.engine.rounds != rounds:
-                r = self.engine.last_round
-                self.exporter.record_round(outputs, r.batch_size, r.draft_seconds, r.verify_seconds)
-            self.exporter.set_running(len(self.engine.running) + len(self.engine.waiting))
-            for out in outputs:
-                sink = self.sinks.get(out.request_id)
-                if out.finished:
-                    self.sinks.pop(out.request_id, None)
-                if sink is not None:
-                    sink(out)
+    def _round(self) -> None:
+        rounds = self.engine.rounds
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug or an OOM must not take the service down
+            log.exception("engine step failed; failing its requests")
+            self._fail_all(e)
+            return
+        if self.engine.rounds != rounds:
+            r = self.engine.last_round
+            self.exporter.record_round(outputs, r.batch_size, r.draft_seconds, r.verify_seconds)
+        self.exporter.set_running(len(self.engine.running) + len(self.engine.waiting))
+        for out in outputs:
+            sink = self.sinks.pop(out.request_id, None) if out.finished else self.sinks.get(out.request_id)
+            if sink is not None:
+                sink(out)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, sink in list(self.sinks.items()):
@@ -106,3 +93,4 @@ class EngineLoop:
             self.engine.step()  # evicts the aborted requests and frees their caches
         except Exception:
             log.exception("could not evict after a failed step")
+        self.exporter.set_running(len(self.engine.running) + len(self.engine.waiting))
