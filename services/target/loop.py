@@ -9,21 +9,24 @@ anyway, and outputs are handed to their handlers right after it. What it saves i
 - with gRPC on a second thread, every round paid thread hand-offs and GIL contention between the
   two; one thread has neither.
 
-Handlers call :meth:`submit` / :meth:`abort`; each request's ``sink`` gets its outputs in order.
+Handlers call :meth:`submit` / :meth:`abort`; each request's ``sink`` queue gets its outputs in
+order, and the handler marks each one done (``task_done``) once it has been sent. Before the next
+step the loop waits for those sends: otherwise a round's messages would leave only after the next
+round, and the client would see tokens in bunches of two rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
-from services.engine.engine import Engine, Request, StepOutput
+from services.engine.engine import Engine, Request
 from services.target.metrics import SpecExporter
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[StepOutput | Exception], None]
+Sink = asyncio.Queue  # of StepOutput | Exception
+SEND_WAIT_SECONDS = 0.05  # a client whose HTTP/2 window is full must not stall everyone else
 
 
 class EngineLoop:
@@ -62,31 +65,38 @@ class EngineLoop:
                 if not self.engine.has_work():
                     self._wake.clear()
                     await self._wake.wait()
-                self._round()
-                await asyncio.sleep(0)  # let handlers send what this round produced
+                sinks = self._round()
+                if sinks:
+                    await asyncio.wait([asyncio.ensure_future(q.join()) for q in sinks], timeout=SEND_WAIT_SECONDS)
+                else:
+                    await asyncio.sleep(0)  # let handlers in
         finally:
             self.running = False
 
-    def _round(self) -> None:
+    def _round(self) -> list[Sink]:
+        """One engine step; returns the sinks it delivered to."""
         rounds = self.engine.rounds
         try:
             outputs = self.engine.step()
         except Exception as e:  # a bug or an OOM must not take the service down
             log.exception("engine step failed; failing its requests")
             self._fail_all(e)
-            return
+            return []
         if self.engine.rounds != rounds:
             r = self.engine.last_round
             self.exporter.record_round(outputs, r.batch_size, r.draft_seconds, r.verify_seconds)
         self.exporter.set_running(len(self.engine.running) + len(self.engine.waiting))
+        delivered = []
         for out in outputs:
             sink = self.sinks.pop(out.request_id, None) if out.finished else self.sinks.get(out.request_id)
             if sink is not None:
-                sink(out)
+                sink.put_nowait(out)
+                delivered.append(sink)
+        return delivered
 
     def _fail_all(self, error: Exception) -> None:
         for rid, sink in list(self.sinks.items()):
-            sink(error)
+            sink.put_nowait(error)
             self.engine.abort(rid)
         self.sinks.clear()
         try:

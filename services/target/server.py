@@ -123,7 +123,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         queue: asyncio.Queue = asyncio.Queue()
         try:
             req = self.to_request(request)
-            self.loop.submit(req, queue.put_nowait)
+            self.loop.submit(req, queue)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = req.request_id
@@ -138,6 +138,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, "generation failed on the target")
                 completion += len(item.token_ids)
                 yield self.to_response(item, completion)
+                queue.task_done()  # sent: the engine loop may start the next round
                 if item.finished:
                     finished = True
                     return
