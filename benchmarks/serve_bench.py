@@ -4,8 +4,10 @@ In one run, interleaved:
 
 - **through the stack**: streaming ``/v1/completions`` requests at concurrency 1, 4 and 16, with
   speculation off (``none``) and on (``draft``, k=3), greedy, exactly ``max_tokens`` tokens each;
-- **in-process**: the same prompts through the :class:`Engine` in this process (the stack stopped,
-  so it has the machine to itself), batch 1, ``none`` and ``draft``.
+- **in-process**: the same prompts through the :class:`Engine` in this process, batch 1, ``none``
+  and ``draft``, once per pass, right after that pass's stack runs (the stack is idle meanwhile).
+  Interleaving matters: this machine drifts by several percent over minutes, and a ratio of two
+  speed-ups measured minutes apart inherits that drift.
 
 Reported per (concurrency, method): time to first token, time between tokens p50/p99 (a chunk of n
 tokens counts as n gaps of its interval / n, as the gateway's histogram does), aggregate tokens/s,
@@ -31,6 +33,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.engine_bench import CODE_PROMPTS
+from services.engine.engine import EngineConfig, Request, SpecConfig
+from services.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class ServeBenchConfig:
     k: int = 3
     max_tokens: int = 96
     concurrencies: tuple[int, ...] = (1, 4, 16)
-    repeats: int = 2
+    repeats: int = 3
     out_dir: str = "benchmarks/results"
     quick: bool = False
 
@@ -184,28 +188,43 @@ def _merge(into: LoadResult, other: LoadResult) -> None:
     into.accepted += other.accepted
 
 
-def _in_process(cfg: ServeBenchConfig, prompts: list[str]) -> dict[str, float]:
-    """Batch-1 tokens/s of the engine in this process, ``none`` and ``draft``, interleaved."""
-    from services.engine.builder import ModelSpec, build_engine
-    from services.engine.chat import encode_text
-    from services.engine.engine import EngineConfig, Request, SpecConfig
-    from services.engine.sampling import SamplingParams
+class _InProcess:
+    """The engine in this process at batch 1, ``none`` and ``draft``; passes add into the totals."""
 
-    engine = build_engine(ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1))
-    ids = [tuple(encode_text(engine.tokenizer, p)) for p in prompts]
-    tokens = {"none": 0, "draft": 0}
-    seconds = {"none": 0.0, "draft": 0.0}
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
-    for rep in range(cfg.repeats + 1):  # the first pass warms up and is not counted
+    def __init__(self, cfg: ServeBenchConfig, prompts: list[str]) -> None:
+        from services.engine.builder import ModelSpec, build_engine
+        from services.engine.chat import encode_text
+
+        self.cfg = cfg
+        self.engine = build_engine(
+            ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1)
+        )
+        self.ids = [tuple(encode_text(self.engine.tokenizer, p)) for p in prompts]
+        self.tokens = {"none": 0, "draft": 0}
+        self.seconds = {"none": 0.0, "draft": 0.0}
+        self.run_pass(count=False)  # warm-up
+
+    def run_pass(self, count: bool = True) -> dict[str, float]:
+        """One pass over the prompts in both modes; returns this pass's tokens/s per mode."""
+        params = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens, ignore_eos=True)
+        this = {}
         for method in ("none", "draft"):
-            for i, p in enumerate(ids):
-                req = Request(f"{method}-{rep}-{i}", p, params, SpecConfig(method, cfg.k if method == "draft" else 0))
+            tokens, seconds = 0, 0.0
+            for i, p in enumerate(self.ids):
+                spec = SpecConfig(method, self.cfg.k if method == "draft" else 0)
+                req = Request(f"{method}-{time.monotonic_ns()}-{i}", p, params, spec)
                 t0 = time.perf_counter()
-                out = engine.generate([req])[req.request_id]
-                if rep:
-                    seconds[method] += time.perf_counter() - t0
-                    tokens[method] += len(out.token_ids)
-    return {m: tokens[m] / seconds[m] for m in tokens}
+                out = self.engine.generate([req])[req.request_id]
+                seconds += time.perf_counter() - t0
+                tokens += len(out.token_ids)
+            this[method] = tokens / seconds
+            if count:
+                self.tokens[method] += tokens
+                self.seconds[method] += seconds
+        return this
+
+    def totals(self) -> dict[str, float]:
+        return {m: self.tokens[m] / self.seconds[m] for m in self.tokens}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -221,13 +240,17 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     prompts = CODE_PROMPTS[:2] if cfg.quick else CODE_PROMPTS
     concurrencies = (1, 4) if cfg.quick else cfg.concurrencies
     repeats = 1 if cfg.quick else cfg.repeats
+    print("loading the in-process engine ...", flush=True)
+    inproc = _InProcess(cfg, prompts)
     print(f"starting specd serve ({cfg.dtype}) ...", flush=True)
     stack = _Stack(cfg)
     results: dict[tuple[int, str], LoadResult] = {}
+    pass_ratios = []
     try:
         for method in ("none", "draft"):  # warm-up, not counted
             asyncio.run(_load(stack.url, 2, method, cfg, prompts[:2]))
         for rep in range(repeats):
+            c1 = {}
             for c in concurrencies:
                 for method in ("none", "draft"):
                     r = asyncio.run(_load(stack.url, c, method, cfg, prompts))
@@ -236,14 +259,21 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                         _merge(results[key], r)
                     else:
                         results[key] = r
+                    if c == 1:
+                        c1[method] = r.tokens_per_second
                     print(
                         f"  pass {rep + 1}: concurrency {c:2d} {method:5s} {r.tokens_per_second:7.1f} tok/s", flush=True
                     )
+            ip = inproc.run_pass()
+            print(
+                f"  pass {rep + 1}: in-process     none {ip['none']:7.1f}  draft {ip['draft']:7.1f} tok/s", flush=True
+            )
+            if 1 in concurrencies:
+                pass_ratios.append(round((c1["draft"] / c1["none"]) / (ip["draft"] / ip["none"]), 3))
     finally:
         stack.stop()
-    print("in-process engine (stack stopped) ...", flush=True)
-    inproc = _in_process(cfg, prompts)
-    doc = _document(cfg, results, inproc, concurrencies)
+    doc = _document(cfg, results, inproc.totals(), concurrencies)
+    doc["concurrency_1"]["share_kept_per_pass"] = pass_ratios
     (out / "serve_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))
     return doc
@@ -319,6 +349,7 @@ def render(doc: dict) -> str:
     lines += [
         "",
         f"Speed-up at concurrency 1: in-process {c1['in_process_speedup']:.2f}x, through the stack "
-        f"{c1['stack_speedup']:.2f}x: the stack keeps {100 * c1['share_of_in_process_speedup_kept']:.0f}% of it.",
+        f"{c1['stack_speedup']:.2f}x: the stack keeps {100 * c1['share_of_in_process_speedup_kept']:.0f}% of it "
+        f"(per pass: {', '.join(f'{100 * x:.0f}%' for x in c1.get('share_kept_per_pass', []))}).",
     ]
     return "\n".join(lines)

@@ -112,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 k=int(args.k.split(",")[0]) if args.k_given else 3,
                 max_tokens=args.max_tokens,
                 concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
-                repeats=args.repeats,
+                repeats=args.repeats or 3,
                 out_dir=args.out,
                 quick=args.quick,
             )
@@ -127,7 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ks=tuple(int(k) for k in args.k.split(",")),
         max_tokens=args.max_tokens,
         temperatures=tuple(float(t) for t in args.temperatures.split(",")),
-        repeats=args.repeats,
+        repeats=args.repeats or 2,
         out_dir=args.out,
         quick=args.quick,
         include_hf=not args.no_hf,
@@ -250,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--k", default=None, help="block sizes to sweep (default 1..8; --serve: one k, default 3)")
     b.add_argument("--max-tokens", type=int, default=96)
     b.add_argument("--temperatures", default="0,0.8")
-    b.add_argument("--repeats", type=int, default=2, help="interleaved passes over all modes, summed")
+    b.add_argument(
+        "--repeats", type=int, default=None, help="interleaved passes over all modes, summed (default 2; --serve 3)"
+    )
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--quick", action="store_true", help="two prompts, short outputs (smoke test)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")

@@ -1,8 +1,8 @@
 """The draft gRPC service: a thin servicer around :class:`DraftWorker`.
 
-Model work runs inline on the main-thread event loop (see services/target/loop.py for why the main
-thread): a round blocks the loop for its few milliseconds, and rounds of one model are serial
-anyway. Each Draft stream gets its own id; closing it frees its sequences.
+Model work runs inline on the main-thread event loop (services/common/main_thread.py says why the
+main thread): a round blocks the loop for its few milliseconds, and rounds of one model are serial
+anyway, and no thread hand-off is paid per round. Each Draft stream gets its own id; closing it frees its sequences.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ import grpc
 
 from services.common.config import ServiceConfig
 from services.common.convert import sampling_from_pb
-from services.common.grpc_server import GRPC_OPTIONS, run_server, start_metrics_server
+from services.common.grpc_server import GRPC_OPTIONS, start_metrics_server
+from services.common.main_thread import serve_with_main_thread
 from services.engine.chat import encode_chat, encode_text
 from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, Request, SpecConfig, StepOutput
 from services.target import metrics
@@ -46,6 +47,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.tokenizer = self.engine.tokenizer
         self.info = info
         self.cfg = cfg
+        self.live: set[str] = set()
         # Async channels for health probes (the engine loop owns the Draft streams), created on the
         # gRPC loop at first use: aio channels belong to the loop they are made on.
         self._draft_health: list[draft_pb2_grpc.DraftServiceStub] | None = None
@@ -120,29 +122,36 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # -------------------------------------------------------------------------- RPCs
 
     async def Generate(self, request, context):
-        queue: asyncio.Queue = asyncio.Queue()
         try:
             req = self.to_request(request)
-            self.loop.submit(req, queue)
+            if req.request_id in self.live:
+                raise ValueError(f"request id {req.request_id!r} is already running")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = req.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        self.live.add(rid)
+        self.loop.submit(req, lambda item: aloop.call_soon_threadsafe(queue.put_nowait, item))
         finished = False
         completion = 0
         try:
             yield target_pb2.GenerateResponse(prompt_tokens=len(req.prompt_ids))
             while True:
                 item = await queue.get()
+                if isinstance(item, ValueError):
+                    finished = True
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
                 if isinstance(item, Exception):
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, "generation failed on the target")
                 completion += len(item.token_ids)
                 yield self.to_response(item, completion)
-                queue.task_done()  # sent: the engine loop may start the next round
                 if item.finished:
                     finished = True
                     return
         finally:
+            self.live.discard(rid)
             if not finished:  # the caller went away (cancelled, disconnected, deadline): free it now
                 self.loop.abort(rid)
 
@@ -164,7 +173,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self.info
 
     async def Cancel(self, request, context):
-        return common_pb2.ReleaseResponse(released=self.loop.abort(request.sequence_id))
+        known = request.sequence_id in self.live
+        if known:
+            self.loop.abort(request.sequence_id)
+        return common_pb2.ReleaseResponse(released=known)
 
 
 def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResponse]:
@@ -212,28 +224,21 @@ async def _check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) 
 
 
 def serve(cfg: TargetServerConfig) -> None:
-    """Load the target and serve TargetService until SIGTERM (engine and gRPC share this thread)."""
+    """Load the target and serve TargetService until SIGTERM; the engine loop runs on this thread."""
     loop, info = build_loop(cfg)
+    asyncio.run(_check_drafts(cfg, info))
     start_metrics_server(cfg.metrics_port)
     metrics.REQUESTS_RUNNING.set(0)
     servicer = TargetServicer(loop, info, cfg)
-
-    async def main() -> None:
-        await _check_drafts(cfg, info)
-        engine_task = asyncio.create_task(loop.run())
-        try:
-            await run_server(
-                lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
-                cfg.host,
-                cfg.port,
-                ready_message=f"specd target service ({info.model_name}) listening on port {{port}}",
-            )
-        finally:
-            loop.stop()
-            await engine_task
-
     try:
-        asyncio.run(main())
+        serve_with_main_thread(
+            lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+            cfg.host,
+            cfg.port,
+            main=loop.run,
+            stop_main=loop.stop,
+            ready_message=f"specd target service ({info.model_name}) listening on port {{port}}",
+        )
     finally:
         drafter = loop.engine.drafters.get("draft")
         if drafter is not None and hasattr(drafter, "close"):
