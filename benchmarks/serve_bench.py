@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.engine_bench import CODE_PROMPTS
+from services.common.ports import free_ports
 from services.engine.engine import EngineConfig, Request, SpecConfig
 from services.engine.sampling import SamplingParams
 
@@ -66,17 +66,11 @@ class LoadResult:
         return self.tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Stack:
     """``specd serve`` in its own process group, on free ports."""
 
     def __init__(self, cfg: ServeBenchConfig) -> None:
-        self.port = _free_port()
+        self.port, *others = free_ports(5)
         args = [
             sys.executable,
             "-m",
@@ -96,7 +90,7 @@ class _Stack:
             str(cfg.k),
         ]
         for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
-            args += [flag, str(_free_port())]
+            args += [flag, str(others.pop())]
         self.log = open(Path(cfg.out_dir) / "serve_bench.log.tmp", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,13 @@ from pathlib import Path
 
 import grpc
 
+from services.common.ports import free_ports
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -129,12 +128,18 @@ class Stack:
     dtype: str = "float32"
     target_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
-    draft_port: int = field(default_factory=free_port)
-    draft_metrics: int = field(default_factory=free_port)
-    target_port: int = field(default_factory=free_port)
-    target_metrics: int = field(default_factory=free_port)
-    gateway_port: int = field(default_factory=free_port)
+    draft_port: int = 0  # 0: five distinct free ports are picked at construction
+    draft_metrics: int = 0
+    target_port: int = 0
+    target_metrics: int = 0
+    gateway_port: int = 0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = ("draft_port", "draft_metrics", "target_port", "target_metrics", "gateway_port")
+        for name, port in zip(names, free_ports(len(names))):
+            if not getattr(self, name):
+                setattr(self, name, port)
 
     @property
     def url(self) -> str:

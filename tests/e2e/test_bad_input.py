@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 
+from services.common.ports import free_ports
 from tests.e2e.processes import Stack, free_port, spawn, stop_process, wait_http_ok
 
 pytestmark = pytest.mark.demo
@@ -117,7 +118,7 @@ def test_api_key(stack, tmp_path) -> None:
 
 
 def test_unreachable_target_is_a_fast_503(tmp_path) -> None:
-    port, dead = free_port(), free_port()
+    port, dead = free_ports(2)
     log = tmp_path / "gateway-dead.log"
     gw = spawn(["gateway", "--target-address", f"127.0.0.1:{dead}", "--host", "127.0.0.1", "--port", str(port)], log)
     try:

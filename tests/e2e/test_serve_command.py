@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.processes import REPO, free_port
+from services.common.ports import free_ports
+from tests.e2e.processes import REPO
 
 pytestmark = pytest.mark.demo
 
@@ -39,10 +40,10 @@ def _alive(pid: int) -> bool:
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
-    port = free_port()
+    port, *others = free_ports(5)
     args = [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
-        args += [flag, str(free_port())]
+    for flag, p in zip(("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"), others):
+        args += [flag, str(p)]
     log = tmp_path / "serve.log"
     with open(log, "wb") as f:
         p = subprocess.Popen(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, process_group=0)
