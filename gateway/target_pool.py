@@ -7,18 +7,10 @@ import logging
 
 import grpc
 
+from services.common.grpc_server import CHANNEL_OPTIONS
 from specd.v1 import common_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # Reconnect to a restarted target quickly instead of after a long backoff.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
 
 
 class TargetClient:
@@ -26,7 +18,7 @@ class TargetClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.info: common_pb2.InfoResponse | None = None
         self.healthy = False

@@ -21,6 +21,14 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
+# Clients also reconnect to a restarted peer within half a second (gRPC's default backoff grows to
+# two minutes, which left a restarted draft reported as down long after it was back).
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
 
 
 def start_metrics_server(port: int | None) -> None:
@@ -31,10 +39,10 @@ def start_metrics_server(port: int | None) -> None:
         start_http_server(port)
 
 
-async def run_server(
+async def start_server(
     register: Callable[[grpc.aio.Server], None], host: str, port: int, ready_message: str = ""
-) -> None:
-    """Serve on the running (main-thread) loop until SIGTERM or SIGINT, then stop gracefully."""
+) -> grpc.aio.Server:
+    """Create, bind and start a server on the running loop; prints ``ready_message`` once bound."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     register(server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -43,6 +51,14 @@ async def run_server(
     await server.start()
     if ready_message:
         print(ready_message.format(port=bound), flush=True)
+    return server
+
+
+async def run_server(
+    register: Callable[[grpc.aio.Server], None], host: str, port: int, ready_message: str = ""
+) -> None:
+    """Serve on the running (main-thread) loop until SIGTERM or SIGINT, then stop gracefully."""
+    server = await start_server(register, host, port, ready_message)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

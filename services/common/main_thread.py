@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from services.common.grpc_server import GRPC_OPTIONS
+from services.common.grpc_server import start_server
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,7 @@ def serve_with_main_thread(
     holder: dict[str, grpc.aio.Server] = {}
 
     async def start() -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        register(server)
-        bound = server.add_insecure_port(f"{host}:{port}")
-        if bound == 0:
-            raise OSError(f"could not bind {host}:{port}")
-        await server.start()
-        holder["server"] = server
-        if ready_message:
-            print(ready_message.format(port=bound), flush=True)
+        holder["server"] = await start_server(register, host, port, ready_message)
 
     def io_thread() -> None:
         asyncio.set_event_loop(loop)

@@ -26,7 +26,7 @@ import grpc
 import torch
 
 from services.common.convert import sampling_to_pb
-from services.common.grpc_server import GRPC_OPTIONS
+from services.common.grpc_server import CHANNEL_OPTIONS
 from services.engine.drafters import DraftRow, Proposal
 from services.engine.sampling import BatchSampling, SamplingParams
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -93,7 +93,7 @@ class DraftEndpoint:
     def __init__(self, address: str, cfg: DraftClientConfig) -> None:
         self.address = address
         self.cfg = cfg
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: _Stream | None = None
         self.opened: set[str] = set()  # sequences the draft holds on the current stream

@@ -15,7 +15,7 @@ import grpc
 
 from services.common.config import ServiceConfig
 from services.common.convert import sampling_from_pb
-from services.common.grpc_server import GRPC_OPTIONS, start_metrics_server
+from services.common.grpc_server import CHANNEL_OPTIONS, start_metrics_server
 from services.common.main_thread import serve_with_main_thread
 from services.engine.chat import encode_chat, encode_text
 from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, Request, SpecConfig, StepOutput
@@ -56,7 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def draft_health(self) -> list[draft_pb2_grpc.DraftServiceStub]:
         if self._draft_health is None:
             self._draft_health = [
-                draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(a, options=GRPC_OPTIONS))
+                draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS))
                 for a in self.cfg.draft_addresses
             ]
         return self._draft_health
@@ -159,7 +159,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         healthy = 0
         if self.draft_health:
             replies = await asyncio.gather(
-                *(s.Health(common_pb2.HealthRequest(), timeout=1.0) for s in self.draft_health),
+                # wait_for_ready: a channel in reconnect backoff (a draft just restarted) retries
+                # within the timeout instead of failing at once.
+                *(s.Health(common_pb2.HealthRequest(), timeout=1.0, wait_for_ready=True) for s in self.draft_health),
                 return_exceptions=True,
             )
             healthy = sum(isinstance(r, common_pb2.HealthResponse) and r.serving for r in replies)
