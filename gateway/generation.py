@@ -19,7 +19,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.target_pool import TargetClient, TargetPool
 from specd.v1 import common_pb2, target_pb2
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
 
 
 def to_generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str) -> target_pb2.GenerateRequest:
@@ -105,7 +105,7 @@ async def open_generation(
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise _invalid_argument(e.details() or "invalid request", prompt_param) from None
-            if e.code() not in _RETRYABLE:
+            if e.code() not in RETRYABLE:
                 raise APIError(
                     503, "the target service failed to start the generation", code="service_unavailable"
                 ) from None

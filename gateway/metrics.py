@@ -40,11 +40,11 @@ class TokenTimer:
         self.last: float | None = None
         self.tokens = 0
 
-    def chunk(self, n: int) -> None:
-        """A chunk of ``n`` tokens has just been handed to the client."""
+    def chunk(self, n: int, now: float | None = None) -> None:
+        """A chunk of ``n`` tokens was handed to the client just now (or at ``now``, perf_counter)."""
         if n <= 0:
             return
-        now = time.perf_counter()
+        now = time.perf_counter() if now is None else now
         if self.last is None:
             TIME_TO_FIRST_TOKEN.observe(now - self.start)
             per = (now - self.start) / n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -11,12 +12,14 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import APIError, error_body, error_response
-from gateway.generation import Generation, open_generation
+from gateway.errors import APIError, error_body
+from gateway.generation import RETRYABLE, Generation, open_generation
 from gateway.metrics import TokenTimer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.target_pool import TargetPool
+
+log = logging.getLogger(__name__)
 
 
 def _state(request: Request) -> tuple[GatewaySettings, TargetPool]:
@@ -93,6 +96,26 @@ def _finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
+def _failure_status(e: grpc.aio.AioRpcError) -> str:
+    return "503" if e.code() in RETRYABLE else "500"
+
+
+def _failure_body(e: grpc.aio.AioRpcError) -> dict:
+    if e.code() in RETRYABLE:
+        return error_body(
+            503,
+            "the target service became unavailable during generation; retry the request",
+            None,
+            "service_unavailable",
+        )
+    return error_body(500, "the target service failed during generation; retry the request")
+
+
+def _failure_response(e: grpc.aio.AioRpcError) -> Response:
+    body = _failure_body(e)
+    return JSONResponse(body, status_code=int(_failure_status(e)))
+
+
 async def _stream(
     gen: Generation, shape: _Shape, include_usage: bool, token_ids: bool, timer: TokenTimer
 ) -> AsyncIterator[str]:
@@ -124,9 +147,11 @@ async def _stream(
             )
         yield "data: [DONE]\n\n"
         status = "200"
-    except grpc.aio.AioRpcError:
-        status = "500"
-        yield _sse(error_body(500, "the target service failed during generation; retry the request"))
+    except grpc.aio.AioRpcError as e:
+        # Tokens were already sent, so the request cannot move to another target unseen: end the
+        # stream with an error event the client can act on (a 503 is retryable).
+        status = _failure_status(e)
+        yield _sse(_failure_body(e))
         yield "data: [DONE]\n\n"
     finally:
         gen.close()
@@ -149,18 +174,35 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    text, ids, last = [], [], None
-    try:
-        async for msg in gen.messages():
-            last = msg
-            timer.chunk(len(msg.token_ids))
-            text.append(msg.text)
-            ids.extend(msg.token_ids)
-    except grpc.aio.AioRpcError:
-        timer.finish("500")
-        return error_response(500, "the target service failed during generation; retry the request")
-    finally:
-        gen.close()
+    # Nothing has reached the client yet, so a target that dies mid-generation costs only a retry
+    # on another replica (its tokens are thrown away; only the kept attempt's are timed).
+    attempts = 1
+    while True:
+        text, ids, last, arrivals = [], [], None, []
+        try:
+            async for msg in gen.messages():
+                last = msg
+                arrivals.append((len(msg.token_ids), time.perf_counter()))
+                text.append(msg.text)
+                ids.extend(msg.token_ids)
+            break
+        except grpc.aio.AioRpcError as e:
+            retry = e.code() in RETRYABLE and attempts < len(pool.targets)
+            if not retry:
+                timer.finish(_failure_status(e))
+                return _failure_response(e)
+            log.warning("target %s failed mid-generation (%s); retrying on another", gen.target.address, e.code())
+            gen.target.healthy = False
+        finally:
+            gen.close()
+        attempts += 1
+        try:
+            gen = await open_generation(pool, body, settings.first_message_timeout)
+        except APIError as e:
+            timer.finish(str(e.status))
+            raise
+    for n, at in arrivals:
+        timer.chunk(n, at)
     timer.finish("200")
     finish = _finish_reason(last.finish_reason) if last is not None else "stop"
     result = shape.full("".join(text), finish, _usage(gen.prompt_tokens, last))

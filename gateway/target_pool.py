@@ -1,4 +1,10 @@
-"""The gateway's view of its target replicas: channels, health, and least-outstanding selection."""
+"""The gateway's view of its target replicas: channels, health, and least-outstanding selection.
+
+Replicas come from ``--target-address``; a DNS name with several address records is several
+replicas, re-resolved periodically (services/common/discovery.py), and a deployment can replace the
+list at run time (:meth:`TargetPool.set_addresses`). A replica that leaves the list stops getting
+new requests; its channel is closed once its last request has finished.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import logging
 
 import grpc
 
+from services.common.discovery import AddressWatcher
 from services.common.grpc_server import CHANNEL_OPTIONS
 from specd.v1 import common_pb2, target_pb2_grpc
 
@@ -47,19 +54,41 @@ class TargetClient:
 class TargetPool:
     """All target replicas; probes them in the background."""
 
-    def __init__(self, addresses: tuple[str, ...], health_interval: float) -> None:
+    def __init__(self, addresses: tuple[str, ...], health_interval: float, discovery_interval: float = 5.0) -> None:
         if not addresses:
             raise ValueError("at least one target address is needed")
-        self.targets = [TargetClient(a) for a in addresses]
+        self.watcher = AddressWatcher(addresses, self._endpoints_changed, discovery_interval)
+        self.targets = [TargetClient(a) for a in self.watcher.endpoints]
+        self.draining: list[TargetClient] = []  # removed, still finishing requests
         self.health_interval = health_interval
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._probe_forever())
+        self._tasks = [asyncio.create_task(self._probe_forever()), asyncio.create_task(self.watcher.run())]
+
+    def set_addresses(self, addresses: tuple[str, ...]) -> tuple[str, ...]:
+        """Serve from exactly these targets from now on; returns the endpoints they resolved to.
+
+        Call on the gateway's event loop. In-flight requests on removed targets run to the end.
+        """
+        if not addresses:
+            raise ValueError("at least one target address is needed")
+        return self.watcher.set_addresses(addresses)
+
+    def _endpoints_changed(self, endpoints: tuple[str, ...]) -> None:
+        current = {t.address: t for t in self.targets}
+        self.draining += [t for t in self.targets if t.address not in endpoints]
+        self.targets = [current.get(a) or TargetClient(a) for a in endpoints]
+        # New replicas count as healthy only once probed: probe now rather than at the next tick.
+        asyncio.get_running_loop().create_task(self.refresh())
 
     async def refresh(self) -> None:
         await asyncio.gather(*(t.probe() for t in self.targets))
+        done = [t for t in self.draining if t.outstanding == 0]
+        self.draining = [t for t in self.draining if t.outstanding > 0]
+        for t in done:
+            await t.channel.close()
 
     async def _probe_forever(self) -> None:
         while True:
@@ -67,9 +96,9 @@ class TargetPool:
             await self.refresh()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for t in self.targets:
+        for task in self._tasks:
+            task.cancel()
+        for t in self.targets + self.draining:
             await t.channel.close()
 
     def candidates(self) -> list[TargetClient]:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install specd into it. torch 2.13.0 goes first: it is the CPU build on this
 # kind of machine, and any looser spec could pull a multi-GB CUDA build.
-# Usage: scripts/setup.sh [dev]      (dev adds pytest, scipy, ruff, matplotlib)
+# Usage: scripts/setup.sh [dev]      (dev adds pytest, scipy, ruff, matplotlib, the deploy-file validators,
+#                                     and a Prometheus server: scripts/install_prometheus.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,3 +16,8 @@ pip install "grpcio-tools>=1.60"
 extra=""
 [ "${1:-}" = "dev" ] && extra="[dev]"
 pip install -e ".${extra}"
+# dev: the Prometheus server that tests/deploy/test_prometheus_dashboard.py runs (Debian's package;
+# warns instead of failing where apt-get or root is missing, and that test then fails with the advice).
+if [ "${1:-}" = "dev" ]; then
+  bash scripts/install_prometheus.sh
+fi

@@ -65,8 +65,11 @@ def serve_with_main_thread(
     stop_main: Callable[[], None],
     ready_message: str = "",
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    background: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve gRPC from a background asyncio loop while ``main()`` runs here until ``stop_main()``.
+
+    ``background``, if given, runs as a task on the gRPC loop for the server's lifetime.
 
     SIGTERM / SIGINT stop ``main``; then the server stops with a short grace period.
     """
@@ -76,6 +79,8 @@ def serve_with_main_thread(
 
     async def start() -> None:
         holder["server"] = await start_server(register, host, port, ready_message)
+        if background is not None:
+            holder["background"] = asyncio.create_task(background())
 
     def io_thread() -> None:
         asyncio.set_event_loop(loop)
@@ -97,6 +102,8 @@ def serve_with_main_thread(
         log.info("shutting down")
 
         async def shutdown() -> None:
+            if "background" in holder:
+                holder["background"].cancel()
             await holder["server"].stop(grace=2.0)
             if on_stop is not None:
                 await on_stop()

@@ -133,6 +133,8 @@ class DraftEndpoint:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+            self.stream = None
+        self.opened.clear()
         self.channel.close()
 
 
@@ -222,6 +224,32 @@ class RemoteDrafter:
 
     # ------------------------------------------------------------------ internals
 
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Speculate with exactly these draft services from now on (replicas scaled or re-resolved).
+
+        Kept endpoints keep their streams. Sequences on a removed endpoint move to the others and
+        are re-opened there with their full context at their next round, so nothing in flight is
+        lost: at worst one round goes without guesses. Closing the removed stream frees the
+        draft's copies. An empty list is ignored (a scaled-to-zero draft pool is "no speculation",
+        which a request can ask for itself).
+        """
+        if not addresses:
+            log.warning("ignoring an empty draft address list; keeping %d draft(s)", len(self.endpoints))
+            return
+        wanted = list(dict.fromkeys(addresses))
+        current = {e.address: e for e in self.endpoints}
+        gone = [e for e in self.endpoints if e.address not in wanted]
+        self.endpoints = [current.get(a) or DraftEndpoint(a, self.cfg) for a in wanted]
+        for e in gone:
+            e.close()
+        for seq_id, st in self.seqs.items():
+            if st.endpoint in gone:
+                self._reassign(seq_id)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(e.address for e in self.endpoints)
+
     def _pick(self) -> DraftEndpoint:
         """The usable endpoint with the fewest sequences (any endpoint if none is usable)."""
         candidates = [e for e in self.endpoints if e.usable()] or self.endpoints
@@ -232,6 +260,7 @@ class RemoteDrafter:
         new = self._pick()
         if new is not st.endpoint:
             st.endpoint.assigned -= 1
+            st.endpoint.opened.discard(seq_id)
             new.assigned += 1
             self.seqs[seq_id] = _SeqState(new, st.sampling)
 

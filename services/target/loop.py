@@ -45,6 +45,10 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
+    def set_draft_addresses(self, addresses: tuple[str, ...]) -> None:
+        """Switch the remote drafter to these draft endpoints before the next round."""
+        self.inbox.put(("drafts", addresses))
+
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, req, sink = cmd
@@ -57,6 +61,10 @@ class EngineLoop:
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
             self.sinks.pop(cmd[1], None)
+        elif cmd[0] == "drafts":
+            drafter = self.engine.drafters.get("draft")
+            if drafter is not None and hasattr(drafter, "set_addresses"):
+                drafter.set_addresses(cmd[1])
 
     def _drain(self) -> None:
         idle = not self.engine.has_work()
