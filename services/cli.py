@@ -168,6 +168,7 @@ def cmd_target(args: argparse.Namespace) -> int:
         default_method=args.speculation_method,
         default_num_tokens=args.num_speculative_tokens,
         draft_round_timeout=args.draft_timeout,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     serve(cfg)
     return 0
@@ -287,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--num-speculative-tokens", type=int, default=3, help="default guesses per round")
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
+    t.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the target over N processes (one per GPU: cuda:0..N-1 of CUDA_VISIBLE_DEVICES; gloo on CPU)",
+    )
     t.set_defaults(func=cmd_target, model_default=str(DEMO_TARGET))
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -312,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None)
     s.add_argument("--num-speculative-tokens", type=int, default=3)
     s.set_defaults(func=cmd_serve)
+    from services.ray_cluster.cli import add_parser as add_ray_parser
+
+    add_ray_parser(sub)
     return parser
 
 

@@ -9,7 +9,6 @@ exit if the supervisor dies (PR_SET_PDEATHSIG), so no orphan outlives it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.process import die_with_parent
 from services.common.runtime import DEFAULT_SPINCOUNT
 
 
@@ -36,15 +36,6 @@ class ServeConfig:
     api_key: str | None = None
     num_speculative_tokens: int = 3
     startup_timeout: float = 300.0
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM it when the supervisor dies."""
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the supervisor's own shutdown still stops the children
 
 
 def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
@@ -121,7 +112,7 @@ def serve(cfg: ServeConfig) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         for name, cmd in _commands(cfg):
-            procs.append((name, subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=_die_with_parent)))
+            procs.append((name, subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=die_with_parent)))
         health = f"http://127.0.0.1:{cfg.port}/health"
         deadline = time.monotonic() + cfg.startup_timeout
         while not stopping and not _healthy(health):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.engine import Engine, EngineConfig
-from services.engine.model import VocabMismatchError, check_same_vocab, load_model
+from services.engine.model import CausalLM, VocabMismatchError, check_same_vocab, load_model
 from services.paths import DEMO_DRAFT, DEMO_TARGET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +25,7 @@ class ModelSpec:
     draft_dtype: str = "bfloat16"
     device: str = "cpu"
     backend: str = "auto"  # "auto" | "own" | "transformers"
+    tensor_parallel_size: int = 1  # target only (services/engine/tensor_parallel.py); the draft is never sharded
 
 
 def load_tokenizer(path: str):
@@ -41,10 +42,24 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
         )
 
 
+def load_target(spec: ModelSpec) -> CausalLM:
+    """The target model: in this process, or sharded over ``spec.tensor_parallel_size`` processes
+    (this one is rank 0 and drives the others)."""
+    if spec.tensor_parallel_size < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {spec.tensor_parallel_size}")
+    if spec.tensor_parallel_size > 1:
+        from services.engine.tensor_parallel import start_tensor_parallel
+
+        return start_tensor_parallel(
+            spec.target, spec.target_dtype, spec.tensor_parallel_size, spec.device, spec.backend
+        )
+    return load_model(spec.target, DTYPES[spec.target_dtype], spec.device, spec.backend)
+
+
 def build_engine(spec: ModelSpec, config: EngineConfig = EngineConfig()) -> Engine:
     """Load everything named in ``spec`` and return a ready engine."""
     tokenizer = load_tokenizer(spec.target)
-    target = load_model(spec.target, DTYPES[spec.target_dtype], spec.device, spec.backend)
+    target = load_target(spec)
     draft = None
     if spec.draft:
         draft = load_model(spec.draft, DTYPES[spec.draft_dtype], spec.device, spec.backend)

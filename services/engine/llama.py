@@ -12,6 +12,7 @@ RoPE variants (llama3 scaling etc.) use the exact ``inv_freq`` that ``transforme
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +52,26 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear:
+    """A linear whose input features are split across tensor-parallel ranks: each rank's partial
+    product is summed over the ranks by ``reduce``, and the bias is added once, after the sum."""
+
+    def __init__(self, linear: Linear, bias: torch.Tensor | None, reduce: Callable[[torch.Tensor], torch.Tensor]):
+        self.linear, self.bias, self.reduce = linear, bias, reduce
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.reduce(self.linear(x))
+        return y if self.bias is None else y + self.bias
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
     qkv: Linear
-    o: Linear
+    o: Linear | RowParallelLinear
     mlp_norm: torch.Tensor
     gate_up: Linear
-    down: Linear
+    down: Linear | RowParallelLinear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,7 +90,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaLM:
-    """A Llama-family causal LM with the ``CausalLM`` interface of :mod:`services.engine.model`."""
+    """A Llama-family causal LM with the ``CausalLM`` interface of :mod:`services.engine.model`.
+
+    Tensor parallel (:mod:`services.engine.tensor_parallel`): ``shape`` and ``state`` are one rank's
+    shard (its heads, its slice of the MLP) and ``reduce`` all-reduces the outputs of ``o_proj``
+    and ``down_proj`` across ranks; everything else runs unchanged on every rank.
+    """
 
     def __init__(
         self,
@@ -89,6 +107,7 @@ class LlamaLM:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         prepack: bool | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.shape = shape
         self.info = info
@@ -115,6 +134,11 @@ class LlamaLM:
                 [p if p is not None else torch.zeros(s, dtype=dtype, device=self.device) for p, s in zip(parts, sizes)]
             )
 
+        def row_linear(prefix: str) -> Linear | RowParallelLinear:
+            if reduce is None:
+                return Linear(w(prefix + ".weight"), opt(prefix + ".bias"), prepack)
+            return RowParallelLinear(Linear(w(prefix + ".weight"), None, prepack), opt(prefix + ".bias"), reduce)
+
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
@@ -130,10 +154,10 @@ class LlamaLM:
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
                     qkv=Linear(qkv_w, qkv_b, prepack),
-                    o=Linear(w(a + "o_proj.weight"), opt(a + "o_proj.bias"), prepack),
+                    o=row_linear(a + "o_proj"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(gu_w, cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]), prepack),
-                    down=Linear(w(p + "mlp.down_proj.weight"), opt(p + "mlp.down_proj.bias"), prepack),
+                    down=row_linear(p + "mlp.down_proj"),
                 )
             )
         pos = torch.arange(shape.max_positions, dtype=torch.float32)
@@ -196,8 +220,19 @@ class LlamaLM:
         return self.lm_head(_rms_norm(x, self.norm, s.rms_eps)).float()
 
 
-def load_llama(hf_model, dtype: torch.dtype, device: torch.device | str, prepack: bool | None) -> LlamaLM:
-    """Build a :class:`LlamaLM` from an already-loaded ``transformers`` Llama-family model."""
+@dataclass(frozen=True)
+class LlamaCheckpoint:
+    """Everything :class:`LlamaLM` is built from, read out of a ``transformers`` model (full, unsharded)."""
+
+    shape: LlamaShape
+    state: dict[str, torch.Tensor]
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    info: ModelInfo
+
+
+def read_llama(hf_model) -> LlamaCheckpoint:
+    """Shape, weights, RoPE frequencies and model info of an already-loaded Llama-family model."""
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     max_pos = cfg.max_position_embeddings
@@ -225,6 +260,10 @@ def load_llama(hf_model, dtype: torch.dtype, device: torch.device | str, prepack
         backend="specd-llama",
     )
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    return LlamaLM(
-        shape, state, rotary.inv_freq.detach(), float(rotary.attention_scaling), info, dtype, device, prepack
-    )
+    return LlamaCheckpoint(shape, state, rotary.inv_freq.detach(), float(rotary.attention_scaling), info)
+
+
+def load_llama(hf_model, dtype: torch.dtype, device: torch.device | str, prepack: bool | None) -> LlamaLM:
+    """Build a :class:`LlamaLM` from an already-loaded ``transformers`` Llama-family model."""
+    c = read_llama(hf_model)
+    return LlamaLM(c.shape, c.state, c.inv_freq, c.attention_scaling, c.info, dtype, device, prepack)

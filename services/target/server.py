@@ -15,6 +15,7 @@ import grpc
 
 from services.common.config import ServiceConfig
 from services.common.convert import sampling_from_pb
+from services.common.discovery import AddressWatcher, resolve_all, split_host_port
 from services.common.grpc_server import CHANNEL_OPTIONS, start_metrics_server
 from services.common.main_thread import serve_with_main_thread
 from services.engine.chat import encode_chat, encode_text
@@ -31,9 +32,11 @@ class TargetServerConfig(ServiceConfig):
     port: int = 50052
     draft_addresses: tuple[str, ...] = ()
     max_batch_size: int = 16
+    discovery_interval: float = 5.0  # seconds between DNS re-resolutions of the draft addresses
     default_method: str | None = None  # None: "draft" with draft addresses, else "none"
     default_num_tokens: int = 3  # best measured k for the demo pair (README, engine benchmark)
     draft_round_timeout: float = 2.0
+    tensor_parallel_size: int = 1  # shard the target over this many processes (services/engine/tensor_parallel.py)
 
     @property
     def method(self) -> str:
@@ -48,18 +51,27 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.info = info
         self.cfg = cfg
         self.live: set[str] = set()
+        # Draft endpoints as last resolved (DNS names expand to one endpoint per replica); the
+        # watcher re-resolves them and SetDrafts replaces them.
+        self.drafts = AddressWatcher(cfg.draft_addresses, self._drafts_changed, cfg.discovery_interval)
         # Async channels for health probes (the engine loop owns the Draft streams), created on the
         # gRPC loop at first use: aio channels belong to the loop they are made on.
-        self._draft_health: list[draft_pb2_grpc.DraftServiceStub] | None = None
+        self._draft_health: dict[str, tuple[grpc.aio.Channel, draft_pb2_grpc.DraftServiceStub]] = {}
 
-    @property
+    def _drafts_changed(self, endpoints: tuple[str, ...]) -> None:
+        self.loop.set_draft_addresses(endpoints)
+
     def draft_health(self) -> list[draft_pb2_grpc.DraftServiceStub]:
-        if self._draft_health is None:
-            self._draft_health = [
-                draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS))
-                for a in self.cfg.draft_addresses
-            ]
-        return self._draft_health
+        """Health stubs for the current draft endpoints (stale ones are dropped)."""
+        current = self.drafts.endpoints if self.cfg.draft_addresses else ()
+        for gone in set(self._draft_health) - set(current):
+            channel, _ = self._draft_health.pop(gone)
+            asyncio.get_running_loop().create_task(channel.close())
+        for a in current:
+            if a not in self._draft_health:
+                ch = grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+                self._draft_health[a] = (ch, draft_pb2_grpc.DraftServiceStub(ch))
+        return [stub for _, stub in self._draft_health.values()]
 
     # ----------------------------------------------------------------------- conversion
 
@@ -157,18 +169,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Health(self, request, context):
         healthy = 0
-        if self.draft_health:
+        stubs = self.draft_health()
+        if stubs:
             replies = await asyncio.gather(
                 # wait_for_ready: a channel in reconnect backoff (a draft just restarted) retries
                 # within the timeout instead of failing at once.
-                *(s.Health(common_pb2.HealthRequest(), timeout=1.0, wait_for_ready=True) for s in self.draft_health),
+                *(s.Health(common_pb2.HealthRequest(), timeout=1.0, wait_for_ready=True) for s in stubs),
                 return_exceptions=True,
             )
             healthy = sum(isinstance(r, common_pb2.HealthResponse) and r.serving for r in replies)
         return common_pb2.HealthResponse(
             serving=self.loop.running,
             draft_endpoints_healthy=healthy,
-            draft_endpoints_total=len(self.draft_health),
+            draft_endpoints_total=len(stubs),
         )
 
     async def Info(self, request, context):
@@ -180,24 +193,46 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.loop.abort(request.sequence_id)
         return common_pb2.ReleaseResponse(released=known)
 
+    async def SetDrafts(self, request, context):
+        if not self.cfg.draft_addresses:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this target was started without --draft-address")
+        addresses = tuple(request.addresses)
+        try:
+            for a in addresses:
+                split_host_port(a)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not addresses:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "at least one draft address is needed")
+        endpoints = self.drafts.set_addresses(addresses)
+        log.info("draft services set to %s", ",".join(endpoints))
+        return target_pb2.DraftAddresses(addresses=endpoints)
+
 
 def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResponse]:
-    from services.engine.builder import DTYPES, load_tokenizer
+    from services.engine.builder import ModelSpec, load_target, load_tokenizer
     from services.engine.engine import EngineConfig
-    from services.engine.model import load_model
     from services.target.draft_client import DraftClientConfig, RemoteDrafter
 
     tokenizer = load_tokenizer(cfg.model)
-    target = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend)
+    spec = ModelSpec(
+        target=cfg.model,
+        draft=None,
+        target_dtype=cfg.dtype,
+        device=cfg.device,
+        backend=cfg.backend,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+    )
+    target = load_target(spec)
     drafter = None
     if cfg.draft_addresses:
         drafter = RemoteDrafter(
-            DraftClientConfig(cfg.draft_addresses, round_timeout=cfg.draft_round_timeout),
+            DraftClientConfig(resolve_all(cfg.draft_addresses), round_timeout=cfg.draft_round_timeout),
             target.info.vocab_size,
             target.device,
             on_failure=lambda address: metrics.DRAFT_FAILURES.labels(endpoint=address).inc(),
         )
-        for a in cfg.draft_addresses:
+        for a in drafter.addresses:
             metrics.DRAFT_FAILURES.labels(endpoint=a)  # exported as 0 from the start
     engine = Engine(target, tokenizer, None, EngineConfig(cfg.max_batch_size, cfg.max_model_len), drafter=drafter)
     methods = ["ngram", "none"] + (["draft", "hybrid"] if drafter else [])
@@ -214,7 +249,7 @@ def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResp
 
 async def _check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) -> None:
     """Refuse a draft whose vocabulary differs; a draft that is not up yet is only logged."""
-    for a in cfg.draft_addresses:
+    for a in resolve_all(cfg.draft_addresses):
         async with grpc.aio.insecure_channel(a) as ch:
             try:
                 d = await draft_pb2_grpc.DraftServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=2.0)
@@ -240,6 +275,7 @@ def serve(cfg: TargetServerConfig) -> None:
             main=loop.run,
             stop_main=loop.stop,
             ready_message=f"specd target service ({info.model_name}) listening on port {{port}}",
+            background=servicer.drafts.run if cfg.draft_addresses else None,
         )
     finally:
         drafter = loop.engine.drafters.get("draft")
