@@ -54,6 +54,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # Draft endpoints as last resolved (DNS names expand to one endpoint per replica); the
         # watcher re-resolves them and SetDrafts replaces them.
         self.drafts = AddressWatcher(cfg.draft_addresses, self._drafts_changed, cfg.discovery_interval)
+        if cfg.draft_addresses:
+            # The drafter was built from an earlier resolution; make sure it starts from this one.
+            self._drafts_changed(self.drafts.endpoints)
         # Async channels for health probes (the engine loop owns the Draft streams), created on the
         # gRPC loop at first use: aio channels belong to the loop they are made on.
         self._draft_health: dict[str, tuple[grpc.aio.Channel, draft_pb2_grpc.DraftServiceStub]] = {}
