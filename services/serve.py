@@ -32,6 +32,7 @@ class ServeConfig:
     draft_metrics_port: int = 9101
     target_metrics_port: int = 9102
     dtype: str = "bfloat16"
+    draft_dtype: str | None = None  # default: dtype
     device: str = "cpu"
     api_key: str | None = None
     num_speculative_tokens: int = 3
@@ -41,20 +42,20 @@ class ServeConfig:
 def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
     cli = [sys.executable, "-m", "services.cli"]
 
-    def model_service(role: str, model: str, port: int, metrics_port: int) -> list[str]:
+    def model_service(role: str, model: str, port: int, metrics_port: int, dtype: str) -> list[str]:
         return [*cli, role, "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
-                "--dtype", cfg.dtype, "--device", cfg.device, "--host", "127.0.0.1"]  # fmt: skip
+                "--dtype", dtype, "--device", cfg.device, "--host", "127.0.0.1"]  # fmt: skip
 
     cmds = []
     if cfg.draft:
-        draft = model_service("draft", cfg.draft, cfg.draft_port, cfg.draft_metrics_port)
+        draft = model_service("draft", cfg.draft, cfg.draft_port, cfg.draft_metrics_port, cfg.draft_dtype or cfg.dtype)
         if cfg.device == "cpu":
             # Sharing the cores with the target, a one-thread draft measured faster (its steps on a
             # 2.5M model gain nothing from a second thread, and its idle OpenMP threads get in the
             # target's way): direct gRPC 308-330 vs 298-309 tok/s with the draft, 174 vs 157-165 without.
             draft += ["--threads", "1"]
         cmds.append(("draft", draft))
-    target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port)
+    target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port, cfg.dtype)
     target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
     if cfg.draft:
         target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
