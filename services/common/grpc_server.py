@@ -7,6 +7,7 @@ import signal
 from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 # Candidate blocks with sparse q and prompts of a full context stay far below this; it only guards
 # against a runaway message.
@@ -39,19 +40,42 @@ def start_metrics_server(port: int | None) -> None:
         start_http_server(port)
 
 
+class RunningServer:
+    """A started gRPC server with the standard ``grpc.health.v1`` service.
+
+    The health service lets Kubernetes' native ``grpc:`` probes, load balancers and
+    ``grpc_health_probe`` check a specd service without a client of our own protos. It reports
+    SERVING from start until :meth:`stop`, which turns it to NOT_SERVING first so that probes see
+    the shutdown before connections close. (The richer ``Health`` RPC of each specd service, which
+    the gateway uses, also reports whether a target's drafts are reachable.)
+    """
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, port: int) -> None:
+        self.server = server
+        self.health = health_servicer
+        self.port = port
+
+    async def stop(self, grace: float | None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
 async def start_server(
     register: Callable[[grpc.aio.Server], None], host: str, port: int, ready_message: str = ""
-) -> grpc.aio.Server:
+) -> RunningServer:
     """Create, bind and start a server on the running loop; prints ``ready_message`` once bound."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()
+    await health_servicer.set(health.OVERALL_HEALTH, health_pb2.HealthCheckResponse.SERVING)
     if ready_message:
         print(ready_message.format(port=bound), flush=True)
-    return server
+    return RunningServer(server, health_servicer, bound)
 
 
 async def run_server(

@@ -75,7 +75,7 @@ def serve_with_main_thread(
     """
     loop = asyncio.new_event_loop()
     started: concurrent.futures.Future = concurrent.futures.Future()
-    holder: dict[str, grpc.aio.Server] = {}
+    holder: dict[str, Any] = {}  # "server": RunningServer, "background": asyncio.Task
 
     async def start() -> None:
         holder["server"] = await start_server(register, host, port, ready_message)

@@ -132,16 +132,11 @@ def test_probes(role: str) -> None:
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert "tcpSocket" in c["livenessProbe"]  # /health is 503 while targets are down: no restart loop
         return
-    # specd's gRPC services answer their own Health RPC, not grpc.health.v1: exec the probe script.
-    assert c["readinessProbe"]["exec"]["command"] == [
-        "python",
-        "/app/deploy/healthcheck.py",
-        role,
-        f"127.0.0.1:{port}",
-    ]
-    assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+    # specd's gRPC services serve grpc.health.v1 (tests/e2e/test_grpc_health.py): native gRPC probes.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": port}, probe
     startup = c["startupProbe"]
-    assert startup["tcpSocket"]["port"] == "grpc" and startup["periodSeconds"] * startup["failureThreshold"] >= 120
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
 
 
 @pytest.mark.parametrize("role", ROLES)
