@@ -208,6 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             target_metrics_port=args.target_metrics_port,
             dtype=args.dtype,
             draft_dtype=args.draft_dtype,
+            draft_threads=args.draft_threads,
             device=args.device,
             api_key=args.api_key,
             num_speculative_tokens=args.num_speculative_tokens,
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target-metrics-port", type=int, default=9102)
     s.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
     s.add_argument("--draft-dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: --dtype")
+    s.add_argument("--draft-threads", type=int, default=None, help="draft torch threads (default: 1 on CPU)")
     s.add_argument("--device", default="cpu")
     s.add_argument("--api-key", default=None)
     s.add_argument("--num-speculative-tokens", type=int, default=3)
