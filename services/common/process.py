@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import subprocess
 
 
 def die_with_parent() -> None:
@@ -16,3 +18,18 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: the parent's own shutdown still stops the children
+
+
+def stop_process_group(p: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+    """Stop a child started with ``process_group=0`` and everything in its group: ``sig`` first,
+    SIGKILL after ``grace`` seconds. Only that group is signalled, never anything else."""
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    except ProcessLookupError:
+        pass

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import grpc
 import ray
 
 from services.common.ports import free_ports
-from services.common.process import die_with_parent
+from services.common.process import die_with_parent, stop_process_group
 from services.common.runtime import DEFAULT_SPINCOUNT
 
 
@@ -76,16 +75,8 @@ class ServiceHost:
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the service (it finishes its shutdown), SIGKILL after ``grace`` seconds."""
         p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
-            return
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        except ProcessLookupError:
-            pass
+        if p is not None:
+            stop_process_group(p, grace=grace)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:

@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from services.common.ports import free_ports
+from services.common.process import stop_process_group
 from tests.deploy.files import (
     DEPLOY,
     GRAFANA_INTERVALS,
@@ -41,6 +42,7 @@ from tests.deploy.files import (
     load_dashboard,
     substitute_grafana_vars,
 )
+from tests.e2e.processes import children
 
 pytestmark = pytest.mark.demo
 
@@ -67,39 +69,12 @@ def prometheus_binary() -> str:
     return path
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(d))
-    return out
-
-
 def _is_specd_service(pid: int) -> bool:
     """Still running, and still the ``services.cli`` process we started (not a reused pid)."""
     try:
         return b"services.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-
-
-def _stop_group(p: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 20.0) -> None:
-    """Stop a process we started in its own process group: ``sig`` first, SIGKILL after ``grace``."""
-    if p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, sig)
-        p.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    except ProcessLookupError:
-        pass
 
 
 def _wait(what: str, ok, timeout: float, log: Path | None = None, proc: subprocess.Popen | None = None) -> None:
@@ -232,7 +207,7 @@ def test_dashboard_queries_return_data_from_a_live_stack(tmp_path: Path) -> None
             )
         _wait("prometheus", lambda: _http_ok(f"{prom}/-/ready"), 60, prom_log, prom_proc)
         _wait("specd serve", lambda: "specd is ready" in serve_log.read_text(), 180, serve_log, serve)
-        kids = _children(serve.pid)
+        kids = children(serve.pid)
 
         # The probe the compose healthchecks and the Kubernetes exec probes run, on the live services.
         for role, where in (
@@ -288,12 +263,12 @@ def test_dashboard_queries_return_data_from_a_live_stack(tmp_path: Path) -> None
         version = _api(prom, "/api/v1/status/buildinfo", {}).get("version", "")
     finally:
         if serve is not None:
-            _stop_group(serve, signal.SIGINT, grace=30)  # what Ctrl-C sends: stops gateway, target, draft
+            stop_process_group(serve, signal.SIGINT, grace=30)  # what Ctrl-C sends: stops gateway, target, draft
             for pid in kids:  # only a child that outlived the supervisor's own shutdown
                 if _is_specd_service(pid):
                     os.killpg(pid, signal.SIGKILL)
         if prom_proc is not None:
-            _stop_group(prom_proc)
+            stop_process_group(prom_proc)
 
     out = {
         "generated_by": "tests/deploy/test_prometheus_dashboard.py",

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from services.common.ports import free_ports
+from services.common.process import stop_process_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,17 +41,30 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
         )
 
 
-def stop_process(p: subprocess.Popen, grace: float = 10.0) -> None:
-    if p.poll() is not None:
-        return
+def children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running: it exists and is not a zombie waiting to be reaped."""
     try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    except ProcessLookupError:
-        pass
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_process(p: subprocess.Popen, grace: float = 10.0) -> None:
+    stop_process_group(p, grace=grace)
 
 
 def kill_process(p: subprocess.Popen) -> None:

@@ -22,6 +22,7 @@ import pytest
 from services.common.ports import free_ports
 from specd.v1 import common_pb2, target_pb2_grpc
 from tests.e2e.conftest import PROMPTS, reference
+from tests.e2e.processes import alive
 
 pytestmark = pytest.mark.demo
 
@@ -106,14 +107,6 @@ class Background:
         assert len(self.results) >= 2, "too little traffic during the change to mean anything"
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "State:\tZ" in state  # exited, waiting for init to reap it
-
-
 def test_ray_up_stream_scale_down(ray_address: str, reference_engine, tmp_path: Path) -> None:
     expected = {}
     for i in range(4):
@@ -162,6 +155,6 @@ def test_ray_up_stream_scale_down(ray_address: str, reference_engine, tmp_path: 
         assert complete(url, 2) == expected[2]
     finally:
         specd_ray(ray_address, "down", timeout=300)
-    assert pids and all(_gone(pid) for pid in set(pids)), "a service process outlived `specd ray down`"
+    assert pids and not any(alive(pid) for pid in set(pids)), "a service process outlived `specd ray down`"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

@@ -13,30 +13,9 @@ import httpx
 import pytest
 
 from services.common.ports import free_ports
-from tests.e2e.processes import REPO
+from tests.e2e.processes import REPO, alive, children
 
 pytestmark = pytest.mark.demo
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(d))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
@@ -66,7 +45,7 @@ def _cleanup(p: subprocess.Popen, kids: list[int]) -> None:
 
 def test_serve_prints_url_serves_and_stops_on_ctrl_c(tmp_path) -> None:
     p, port, log = _start(tmp_path)
-    kids = _children(p.pid)
+    kids = children(p.pid)
     try:
         assert len(kids) == 3
         assert f"http://localhost:{port}/v1" in log.read_text()
@@ -78,20 +57,20 @@ def test_serve_prints_url_serves_and_stops_on_ctrl_c(tmp_path) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
         os.kill(p.pid, signal.SIGINT)  # what Ctrl-C sends
         assert p.wait(timeout=30) == 0
-        assert not any(_alive(k) for k in kids)
+        assert not any(alive(k) for k in kids)
     finally:
         _cleanup(p, kids)
 
 
 def test_no_orphans_when_the_supervisor_is_killed(tmp_path) -> None:
     p, _, _ = _start(tmp_path)
-    kids = _children(p.pid)
+    kids = children(p.pid)
     try:
         assert len(kids) == 3
         os.kill(p.pid, signal.SIGKILL)  # no chance to clean up: the kernel's parent-death signal must
         p.wait()
         deadline = time.monotonic() + 30
-        while any(_alive(k) for k in kids):
+        while any(alive(k) for k in kids):
             assert time.monotonic() < deadline, "children outlived the supervisor"
             time.sleep(0.2)
     finally:

@@ -27,7 +27,7 @@ from services.engine.tensor_parallel import (
     shard_llama_state,
     start_tensor_parallel,
 )
-from tests.e2e.processes import free_port, spawn, stop_process, wait_grpc
+from tests.e2e.processes import alive, children, free_port, spawn, stop_process, wait_grpc
 
 TOL = 1e-4
 
@@ -267,26 +267,6 @@ def test_greedy_generation_is_token_identical(tp_target, ref_target, tiny_pair, 
 # ------------------------------------------------------------------ specd target, end to end
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(d))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -296,7 +276,7 @@ def _cmdline(pid: int) -> str:
 
 def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -305,7 +285,7 @@ def _kill_left(pids: list[int]) -> None:
     """After a failed check: a rank started by the target is in its own process group, so
     stop_process would not reach it."""
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -332,7 +312,7 @@ def test_specd_target_tensor_parallel_serves_and_stops(tiny_pair, ref_target, tm
     ranks: list[int] = []
     try:
         wait_grpc(port, proc, log)
-        ranks = _children(proc.pid)
+        ranks = children(proc.pid)
         assert len(ranks) == 1, log.read_text()[-3000:]
         tok = load_tokenizer(str(target_dir))
         engine = Engine(ref_target, tok, None, EngineConfig(max_batch_size=1, max_model_len=128))
@@ -360,7 +340,7 @@ def test_ranks_die_with_a_killed_target(tiny_pair, tmp_path) -> None:
     try:
         # Once the rank runs its own program, its parent-death signal is set (it is set before exec).
         deadline = time.monotonic() + 60
-        while not (ranks := [pid for pid in _children(proc.pid) if "tensor_parallel" in _cmdline(pid)]):
+        while not (ranks := [pid for pid in children(proc.pid) if "tensor_parallel" in _cmdline(pid)]):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         proc.kill()
