@@ -3,6 +3,8 @@
 - :func:`build_tiny_pair`: a 512-token BPE tokenizer trained on a few stdlib modules, a random
   Llama target (GQA) and a draft that is the target with noise on its weights (so guesses are
   accepted often but not always, giving varied accept counts).
+- :func:`random_hf_model`: an in-memory random ``transformers`` model of a given family, with
+  non-zero biases, for comparing forwards.
 - :func:`build_micro_pair`: a 12-token vocabulary for statistical tests, where the joint law of
   the first few tokens can be enumerated exactly; its draft is an unrelated random model, so many
   guesses are rejected and a wrong sampler shows.
@@ -110,3 +112,27 @@ def build_micro_pair(root: Path) -> tuple[Path, Path]:
     target = _llama(len(tok), 32, 2, 4, 4, seed=3, logit_scale=4.0)
     draft = _llama(len(tok), 32, 1, 4, 4, seed=4, logit_scale=4.0)
     return _save(target, tok, root / "micro-target"), _save(draft, tok, root / "micro-draft")
+
+
+def random_hf_model(model_type: str = "llama", **overrides):
+    """A small random ``transformers`` causal LM (4 heads, 2 kv heads, MLP 96), seeded; config
+    ``overrides`` on top. Biases are drawn non-zero, so a missing, or a repeated, bias shows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model

@@ -75,11 +75,13 @@ class AddressWatcher:
         addresses: tuple[str, ...],
         on_change: Callable[[tuple[str, ...]], None],
         interval: float = 5.0,
+        endpoints: tuple[str, ...] | None = None,
     ) -> None:
+        """``endpoints``: what ``addresses`` already resolved to, if the caller has it (else resolved here)."""
         self.addresses = addresses
         self.on_change = on_change
         self.interval = interval
-        self.endpoints: tuple[str, ...] = resolve_all(addresses)
+        self.endpoints: tuple[str, ...] = resolve_all(addresses) if endpoints is None else endpoints
         self._wake: asyncio.Event | None = None
 
     async def run(self) -> None:

@@ -44,7 +44,13 @@ class TargetServerConfig(ServiceConfig):
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, loop: EngineLoop, info: common_pb2.InfoResponse, cfg: TargetServerConfig) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        info: common_pb2.InfoResponse,
+        cfg: TargetServerConfig,
+        draft_endpoints: tuple[str, ...],
+    ) -> None:
         self.loop = loop
         self.engine: Engine = loop.engine
         self.tokenizer = self.engine.tokenizer
@@ -53,10 +59,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.live: set[str] = set()
         # Draft endpoints as last resolved (DNS names expand to one endpoint per replica); the
         # watcher re-resolves them and SetDrafts replaces them.
-        self.drafts = AddressWatcher(cfg.draft_addresses, self._drafts_changed, cfg.discovery_interval)
-        if cfg.draft_addresses:
-            # The drafter was built from an earlier resolution; make sure it starts from this one.
-            self._drafts_changed(self.drafts.endpoints)
+        self.drafts = AddressWatcher(
+            cfg.draft_addresses, self._drafts_changed, cfg.discovery_interval, endpoints=draft_endpoints
+        )
         # Async channels for health probes (the engine loop owns the Draft streams), created on the
         # gRPC loop at first use: aio channels belong to the loop they are made on.
         self._draft_health: dict[str, tuple[grpc.aio.Channel, draft_pb2_grpc.DraftServiceStub]] = {}
@@ -212,7 +217,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.DraftAddresses(addresses=endpoints)
 
 
-def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResponse]:
+def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tuple[EngineLoop, common_pb2.InfoResponse]:
+    """The engine loop over the target, speculating with the draft services at ``draft_endpoints``
+    (``cfg.draft_addresses`` resolved)."""
     from services.engine.builder import ModelSpec, load_target, load_tokenizer
     from services.engine.engine import EngineConfig
     from services.target.draft_client import DraftClientConfig, RemoteDrafter
@@ -228,9 +235,9 @@ def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResp
     )
     target = load_target(spec)
     drafter = None
-    if cfg.draft_addresses:
+    if draft_endpoints:
         drafter = RemoteDrafter(
-            DraftClientConfig(resolve_all(cfg.draft_addresses), round_timeout=cfg.draft_round_timeout),
+            DraftClientConfig(draft_endpoints, round_timeout=cfg.draft_round_timeout),
             target.info.vocab_size,
             target.device,
             on_failure=lambda address: metrics.DRAFT_FAILURES.labels(endpoint=address).inc(),
@@ -250,9 +257,9 @@ def build_loop(cfg: TargetServerConfig) -> tuple[EngineLoop, common_pb2.InfoResp
     return EngineLoop(engine, metrics.SpecExporter()), info
 
 
-async def _check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) -> None:
+async def _check_drafts(draft_endpoints: tuple[str, ...], info: common_pb2.InfoResponse) -> None:
     """Refuse a draft whose vocabulary differs; a draft that is not up yet is only logged."""
-    for a in resolve_all(cfg.draft_addresses):
+    for a in draft_endpoints:
         async with grpc.aio.insecure_channel(a) as ch:
             try:
                 d = await draft_pb2_grpc.DraftServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=2.0)
@@ -265,11 +272,13 @@ async def _check_drafts(cfg: TargetServerConfig, info: common_pb2.InfoResponse) 
 
 def serve(cfg: TargetServerConfig) -> None:
     """Load the target and serve TargetService until SIGTERM; the engine loop runs on this thread."""
-    loop, info = build_loop(cfg)
-    asyncio.run(_check_drafts(cfg, info))
+    # Resolved once here; the servicer's watcher re-resolves from then on.
+    draft_endpoints = resolve_all(cfg.draft_addresses)
+    loop, info = build_loop(cfg, draft_endpoints)
+    asyncio.run(_check_drafts(draft_endpoints, info))
     start_metrics_server(cfg.metrics_port)
     metrics.REQUESTS_RUNNING.set(0)
-    servicer = TargetServicer(loop, info, cfg)
+    servicer = TargetServicer(loop, info, cfg, draft_endpoints)
     try:
         serve_with_main_thread(
             lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),

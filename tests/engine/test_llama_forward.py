@@ -7,30 +7,7 @@ import torch
 
 from services.engine.llama import load_llama
 from services.engine.model import BatchLayout, HFCausalLM, VocabMismatchError, check_same_vocab, load_model
-
-
-def _hf_model(model_type: str, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    kw.update(overrides)
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **kw)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # non-zero biases so a missing bias would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    return model
-
+from tests.tiny_models import random_hf_model
 
 CASES = [
     ("llama", {}),
@@ -43,7 +20,7 @@ CASES = [
 
 @pytest.mark.parametrize(("model_type", "overrides"), CASES, ids=[f"{t}-{i}" for i, (t, _) in enumerate(CASES)])
 def test_forward_matches_transformers(model_type: str, overrides: dict) -> None:
-    hf = _hf_model(model_type, **overrides)
+    hf = random_hf_model(model_type, **overrides)
     ours = load_llama(hf, torch.float32, "cpu", prepack=False)
     cache = ours.new_cache(3, 128)
     g = torch.Generator().manual_seed(1)
@@ -67,7 +44,7 @@ def test_forward_matches_transformers(model_type: str, overrides: dict) -> None:
 
 def test_rollback_overwrites_rejected_positions() -> None:
     """Writing new tokens over stale cache positions gives the same logits as a clean run."""
-    hf = _hf_model("llama")
+    hf = random_hf_model("llama")
     ours = load_llama(hf, torch.float32, "cpu", prepack=False)
     cache = ours.new_cache(1, 64)
     s = cache.allocate()
@@ -82,7 +59,7 @@ def test_rollback_overwrites_rejected_positions() -> None:
 
 
 def test_bf16_prepacked_forward_is_close() -> None:
-    hf = _hf_model("llama")
+    hf = random_hf_model("llama")
     ours = load_llama(hf, torch.bfloat16, "cpu", prepack=None)
     assert ours.prepacked
     cache = ours.new_cache(1, 64)
@@ -112,7 +89,7 @@ def test_load_by_path_and_fallback_backend(tiny_pair) -> None:
 
 
 def test_vocab_mismatch_is_refused() -> None:
-    hf_a, hf_b = _hf_model("llama"), _hf_model("llama", vocab_size=301)
+    hf_a, hf_b = random_hf_model("llama"), random_hf_model("llama", vocab_size=301)
     a = load_llama(hf_a, torch.float32, "cpu", prepack=False)
     b = load_llama(hf_b, torch.float32, "cpu", prepack=False)
     with pytest.raises(VocabMismatchError, match="differs from the target"):

@@ -28,37 +28,16 @@ from services.engine.tensor_parallel import (
     start_tensor_parallel,
 )
 from tests.e2e.processes import alive, children, free_port, spawn, stop_process, wait_grpc
+from tests.tiny_models import random_hf_model
 
 TOL = 1e-4
-
-
-def _hf_model(model_type: str = "llama", **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    kw.update(overrides)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
-    with torch.no_grad():  # non-zero biases: a row-parallel bias added N times would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    return model
 
 
 # ------------------------------------------------------------------------------ shard math
 
 
 def test_shards_reassemble_the_full_weights() -> None:
-    full = read_llama(_hf_model(attention_bias=True, mlp_bias=True))
+    full = read_llama(random_hf_model(attention_bias=True, mlp_bias=True))
     shards = [shard_llama_state(full.state, full.shape, r, 2) for r in range(2)]
     assert all(shape.num_heads == 2 and shape.num_kv_heads == 1 for _, shape in shards)
     assert shards[0][1].hidden_size == full.shape.hidden_size
@@ -84,7 +63,7 @@ def test_shards_reassemble_the_full_weights() -> None:
 
 
 def test_indivisible_sizes_are_refused(tiny_pair) -> None:
-    full = read_llama(_hf_model())  # 4 heads, 2 kv heads, MLP 96
+    full = read_llama(random_hf_model())  # 4 heads, 2 kv heads, MLP 96
     with pytest.raises(ValueError, match=r"does not divide the model's key/value heads \(2\)"):
         shard_llama_state(full.state, full.shape, 0, 4)
     with pytest.raises(ValueError, match=r"does not divide the model's attention heads \(4\)"):
@@ -141,7 +120,7 @@ CASES = [
 
 @pytest.mark.parametrize(("model_type", "overrides", "world"), CASES, ids=["llama-bias", "qwen2", "llama-mha-4"])
 def test_sharded_forward_matches_in_threads(model_type: str, overrides: dict, world: int) -> None:
-    hf = _hf_model(model_type, **overrides)
+    hf = random_hf_model(model_type, **overrides)
     ref = load_llama(hf, torch.float32, "cpu", prepack=False)
     full = read_llama(hf)
     group = _ThreadGroup(world)
