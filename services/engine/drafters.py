@@ -60,6 +60,11 @@ class Drafter(Protocol):
         """Forget a sequence and free what it held."""
 
 
+# A drafter that works outside the engine's thread may also define ``prefetch(rows)``: the engine
+# calls it at the end of each round with the next round's rows (all accepted counts reported), and
+# passes those same row objects to the next ``propose``, which then only collects the guesses.
+
+
 def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
     out = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, r in enumerate(rows):
