@@ -77,7 +77,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         stream = uuid.uuid4().hex[:12]
         try:
             async for rnd in request_iterator:
-                yield self._round(stream, rnd)
+                try:
+                    blocks = self._round(stream, rnd)
+                except Exception:
+                    log.exception("draft round failed; ending the stream (the target re-opens its sequences)")
+                    raise
+                yield blocks
         finally:
             # Runs on normal close, on cancellation and when the target dies: nothing leaks.
             self._close_stream(stream)

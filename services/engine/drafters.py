@@ -175,6 +175,10 @@ class ModelDrafter:
         B = len(rows)
         K = max(r.k for r in rows)
         states = [self.seqs[r.seq_id] for r in rows]
+        for r, s in zip(rows, states):
+            # Asked again with nothing new (a re-sent round): re-feed the last committed token,
+            # whose cache entry is simply rewritten, so step 0 has an input.
+            s.cache_len = min(s.cache_len, len(r.tokens) - 1)
         slots = [s.slot for s in states]
         # Step 0 catches each cache up with the committed tokens it has not seen (usually 1, or 2
         # after a fully accepted block), right-padded; later steps feed one guess each.

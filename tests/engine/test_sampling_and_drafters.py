@@ -101,3 +101,19 @@ def test_detokenizer_holds_incomplete_utf8() -> None:
     snow = "é".encode()
     assert d.push([ord("a"), snow[0]]) == ("a", 2)
     assert d.push([snow[1]]) == ("é", 1)
+
+
+def test_model_drafter_asked_again_without_new_tokens_repeats_its_guesses(micro_pair) -> None:
+    """A round sent again after its block was dropped (nothing accepted, nothing new committed)
+    re-feeds the last committed token and guesses the same tokens."""
+    from services.engine.drafters import DraftRow, ModelDrafter
+    from services.engine.model import load_model
+
+    drafter = ModelDrafter(load_model(str(micro_pair[1]), torch.float32, "cpu"), 2, 64)
+    tokens = [3, 7, 5, 9, 2]
+    drafter.add("s", tokens)
+    greedy = BatchSampling.from_params([SamplingParams(0.0)], "cpu")
+    first = drafter.propose([DraftRow("s", tokens, 4, True)], greedy).token_ids.tolist()
+    drafter.accepted("s", 0)
+    again = drafter.propose([DraftRow("s", tokens, 4, True)], greedy).token_ids.tolist()
+    assert again == first and min(first[0]) >= 0
