@@ -96,7 +96,7 @@ class RoundInfo:
     """Timings of the last round, for exporters (the engine itself keeps no metrics)."""
 
     batch_size: int = 0
-    draft_seconds: float = 0.0  # proposing, including any network round trip to a draft service
+    draft_seconds: float = 0.0  # waiting for guesses (network included; a round sent ahead only counts what was left)
     verify_seconds: float = 0.0  # target forward pass, verification and the round's host sync
 
 
