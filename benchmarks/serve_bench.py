@@ -5,7 +5,8 @@ In one run, interleaved:
 - **through the stack**: streaming ``/v1/completions`` requests at concurrency 1, 4 and 16, with
   speculation off (``none``) and on (``draft``, k=3), greedy, exactly ``max_tokens`` tokens each;
 - **in-process**: the same prompts through the :class:`Engine` in this process, batch 1, ``none``
-  and ``draft``, once per pass, right after that pass's stack runs (the stack is idle meanwhile).
+  and ``draft``, once per pass, right after that pass's concurrency-1 runs (the stack is idle
+  meanwhile).
   Interleaving matters: this machine drifts by several percent over minutes, and a ratio of two
   speed-ups measured minutes apart inherits that drift.
 
@@ -247,7 +248,10 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
             asyncio.run(_load(stack.url, 2, method, cfg, prompts[:2]))
         for rep in range(repeats):
             c1 = {}
-            for c in concurrencies:
+            # Concurrency 1 first and the in-process pass right after it: the two speed-ups that
+            # are compared are then measured within a minute of each other.
+            order = sorted(concurrencies, key=lambda c: c != 1)
+            for n, c in enumerate(order):
                 for method in ("none", "draft"):
                     r = asyncio.run(_load(stack.url, c, method, cfg, prompts))
                     key = (c, method)
@@ -260,10 +264,12 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                     print(
                         f"  pass {rep + 1}: concurrency {c:2d} {method:5s} {r.tokens_per_second:7.1f} tok/s", flush=True
                     )
-            ip = inproc.run_pass()
-            print(
-                f"  pass {rep + 1}: in-process     none {ip['none']:7.1f}  draft {ip['draft']:7.1f} tok/s", flush=True
-            )
+                if n == 0:
+                    ip = inproc.run_pass()
+                    print(
+                        f"  pass {rep + 1}: in-process     none {ip['none']:7.1f}  draft {ip['draft']:7.1f} tok/s",
+                        flush=True,
+                    )
             if 1 in concurrencies:
                 pass_ratios.append(round((c1["draft"] / c1["none"]) / (ip["draft"] / ip["none"]), 3))
     finally:
