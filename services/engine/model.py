@@ -70,7 +70,8 @@ class BatchLayout:
         """The first S positions of each row's slot, [B, S, Hkv, D] (a view when slots are contiguous)."""
         if self._contiguous:
             return cache_layer[self.slots[0] : self.slots[0] + len(self.slots), : self.S]
-        return cache_layer.index_select(0, self._slot_t)[:, : self.S]
+        # Slice before gathering: the gather then copies S positions per row, not the whole slot.
+        return cache_layer[:, : self.S].index_select(0, self._slot_t)
 
 
 class CausalLM(Protocol):
