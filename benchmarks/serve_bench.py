@@ -49,7 +49,6 @@ class ServeBenchConfig:
     repeats: int = 3
     out_dir: str = "benchmarks/results"
     quick: bool = False
-    serve_args: tuple[str, ...] = ()  # extra `specd serve` flags, e.g. ("--no-draft-prefetch",)
 
 
 @dataclass
@@ -93,7 +92,6 @@ class _Stack:
         ]
         for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
             args += [flag, str(others.pop())]
-        args += list(cfg.serve_args)
         self.log = open(Path(cfg.out_dir) / "serve_bench.log.tmp", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
         self.url = f"http://127.0.0.1:{self.port}"

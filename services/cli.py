@@ -168,7 +168,6 @@ def cmd_target(args: argparse.Namespace) -> int:
         default_method=args.speculation_method,
         default_num_tokens=args.num_speculative_tokens,
         draft_round_timeout=args.draft_timeout,
-        draft_prefetch=not args.no_draft_prefetch,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     serve(cfg)
@@ -213,7 +212,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device=args.device,
             api_key=args.api_key,
             num_speculative_tokens=args.num_speculative_tokens,
-            draft_prefetch=not args.no_draft_prefetch,
         )
     )
 
@@ -293,11 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-speculative-tokens", type=int, default=3, help="default guesses per round")
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
     t.add_argument(
-        "--no-draft-prefetch",
-        action="store_true",
-        help="ask the draft for a round only when it is needed, not as soon as the last one is verified",
-    )
-    t.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -329,7 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu")
     s.add_argument("--api-key", default=None)
     s.add_argument("--num-speculative-tokens", type=int, default=3)
-    s.add_argument("--no-draft-prefetch", action="store_true", help="see specd target --help")
     s.set_defaults(func=cmd_serve)
     from services.ray_cluster.cli import add_parser as add_ray_parser
 

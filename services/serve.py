@@ -37,7 +37,6 @@ class ServeConfig:
     device: str = "cpu"
     api_key: str | None = None
     num_speculative_tokens: int = 3
-    draft_prefetch: bool = True
     startup_timeout: float = 300.0
 
 
@@ -64,8 +63,6 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
     target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
     if cfg.draft:
         target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
-        if not cfg.draft_prefetch:
-            target.append("--no-draft-prefetch")
     cmds.append(("target", target))
     gw = [
         *cli,

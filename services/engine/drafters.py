@@ -60,11 +60,6 @@ class Drafter(Protocol):
         """Forget a sequence and free what it held."""
 
 
-# A drafter that works outside the engine's thread may also define ``prefetch(rows)``: the engine
-# calls it at the end of each round with the next round's rows (all accepted counts reported), and
-# passes those same row objects to the next ``propose``, which then only collects the guesses.
-
-
 def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
     out = torch.full((len(rows), width), -1, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -176,8 +171,9 @@ class ModelDrafter:
         K = max(r.k for r in rows)
         states = [self.seqs[r.seq_id] for r in rows]
         for r, s in zip(rows, states):
-            # Asked again with nothing new (a re-sent round): re-feed the last committed token,
-            # whose cache entry is simply rewritten, so step 0 has an input.
+            # Asked again with nothing new since the last proposal (0 accepted, no new token, which
+            # a draft-service client may send): re-feed the last committed token, whose cache
+            # entry is simply rewritten, so step 0 has an input instead of failing the round.
             s.cache_len = min(s.cache_len, len(r.tokens) - 1)
         slots = [s.slot for s in states]
         # Step 0 catches each cache up with the committed tokens it has not seen (usually 1, or 2

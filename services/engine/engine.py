@@ -96,7 +96,7 @@ class RoundInfo:
     """Timings of the last round, for exporters (the engine itself keeps no metrics)."""
 
     batch_size: int = 0
-    draft_seconds: float = 0.0  # waiting for guesses (network included; a round sent ahead only counts what was left)
+    draft_seconds: float = 0.0  # proposing, including any network round trip to a draft service
     verify_seconds: float = 0.0  # target forward pass, verification and the round's host sync
 
 
@@ -110,7 +110,6 @@ class _Seq:
     detok: Detokenizer
     prompt_len: int
     stats: SpecStats = field(default_factory=SpecStats)
-    next_row: DraftRow | None = None  # the draft row already sent ahead for the next round
 
     @property
     def generated(self) -> int:
@@ -211,27 +210,7 @@ class Engine:
         self.last_round = RoundInfo(len(seqs), t1 - t0, time.perf_counter() - t1)
         for seq, row, drafted in zip(seqs, host, from_model):
             outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], model_drafted=drafted))
-        self._prefetch()
         return outputs
-
-    def _prefetch(self) -> None:
-        """Send the next round's draft rows now, if the drafter can work while we do not wait.
-
-        A drafter in another process (:class:`~services.target.draft_client.RemoteDrafter`) then
-        drafts while this process hands out the round's tokens. The rows are kept and passed to
-        the next ``propose`` as they are, so sampled rows draw their round seed only once.
-        """
-        prefetch = getattr(self.drafters.get("draft"), "prefetch", None)
-        if prefetch is None:
-            return
-        rows = []
-        for seq in self.running.values():
-            k = self._block_size(seq)
-            if seq.req.spec.method == "draft" and k > 0 and seq.req.request_id not in self._aborted:
-                seq.next_row = self._draft_row(seq, k, sampled_draft=True)
-                rows.append(seq.next_row)
-        if rows:
-            prefetch(rows)
 
     def _evict_aborted(self) -> list[StepOutput]:
         outs = []
@@ -298,7 +277,7 @@ class Engine:
         model_prop = None
         if model_idx:
             sampling = BatchSampling.from_params([seqs[i].req.params for i in model_idx], self.device)
-            rows = [self._next_draft_row(seqs[i], ks[i]) for i in model_idx]
+            rows = [self._draft_row(seqs[i], ks[i], sampled_draft=True) for i in model_idx]
             model_prop = self.drafters["draft"].propose(rows, sampling)
         width_model = model_prop.token_ids.shape[1] if model_prop is not None else 0
         K = max([width_model] + [int((g >= 0).sum()) for g in matched.values()])
@@ -315,13 +294,6 @@ class Engine:
                 q[idx_t, :width_model] = model_prop.probs
         model_set = set(model_idx)
         return guesses, q, [i in model_set for i in range(B)]
-
-    def _next_draft_row(self, seq: _Seq, k: int) -> DraftRow:
-        """The model-draft row for this round: the one sent ahead if it still applies."""
-        row, seq.next_row = seq.next_row, None
-        if row is not None and row.k == k:
-            return row
-        return self._draft_row(seq, k, sampled_draft=True)
 
     def _draft_row(self, seq: _Seq, k: int, sampled_draft: bool) -> DraftRow:
         greedy = seq.req.params.greedy

@@ -9,12 +9,6 @@ Faults never reach the engine: if an endpoint is down, times out or answers out 
 simply get no guesses this round (the target decodes them without speculation), its sequences are
 marked for re-opening, and the endpoint is retried with backoff. ``on_failure`` is told each time.
 
-Rounds can be sent early (:meth:`RemoteDrafter.prefetch`): the engine sends round n+1 as soon as
-round n's verification is known, and only collects the blocks at its next ``propose``. The draft
-then computes while the target emits tokens, updates metrics and talks to the gateway, work that
-an in-process draft can only do after it. Same rows, same state, same seeds: the guesses are the
-ones a later send would have got.
-
 Used only from the engine thread, except for one reader thread per stream.
 """
 
@@ -46,7 +40,6 @@ class DraftClientConfig:
     round_timeout: float = 2.0  # seconds to wait for a round's blocks before decoding without them
     retry_initial: float = 0.25  # backoff after a failure, doubling up to retry_max
     retry_max: float = 4.0
-    prefetch: bool = True  # send the next round right after verification (see the module docstring)
 
 
 class _Stream:
@@ -146,17 +139,6 @@ class DraftEndpoint:
 
 
 @dataclass
-class _Sent:
-    """A round sent ahead by :meth:`RemoteDrafter.prefetch`, not yet collected."""
-
-    endpoint: DraftEndpoint
-    stream: _Stream  # the stream it went out on; if the endpoint's stream changed, it is lost
-    round_id: int
-    rows: dict[str, tuple[int, int]]  # sequence id -> (k, committed length) it was asked for
-    deadline: float
-
-
-@dataclass
 class _SeqState:
     endpoint: DraftEndpoint
     sampling: common_pb2.SamplingParams  # what the draft needs to build the same q as the target's p
@@ -183,9 +165,6 @@ class RemoteDrafter:
         self.endpoints = [DraftEndpoint(a, cfg) for a in cfg.addresses]
         self.seqs: dict[str, _SeqState] = {}
         self._round_ids = itertools.count(1)
-        self._last_round_id = 0
-        self._ahead: list[_Sent] = []  # rounds sent by prefetch, collected by the next propose
-        self.prefetched_rows = 0  # rows whose blocks came from a round sent ahead (for tests)
 
     # ------------------------------------------------------------------ Drafter protocol
 
@@ -209,82 +188,39 @@ class RemoteDrafter:
             # Sent now, not with the next round: with no other traffic the draft must still free it.
             ep.stream.send(draft_pb2.DraftRound(round_id=0, release=[seq_id]))
 
-    def prefetch(self, rows: Sequence[DraftRow]) -> None:
-        """Send these rows' round now; the next :meth:`propose` with the same rows collects it.
-
-        The engine calls this right after a round is verified (every accepted count is known), so
-        the draft works while the target finishes its round. A no-op when ``cfg.prefetch`` is off.
-        """
-        if not self.cfg.prefetch or not rows:
-            return
-        deadline = time.monotonic() + self.cfg.round_timeout
-        for ep, ep_rows in self._send(rows):
-            sent = {r.seq_id: (r.k, len(r.tokens)) for r in ep_rows}
-            self._ahead.append(_Sent(ep, ep.stream, self._last_round_id, sent, deadline))
-
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
         K = max(r.k for r in rows)
         token_ids = torch.full((len(rows), K), -1, dtype=torch.long)
         any_sampled = any(not r.greedy for r in rows)
         probs = torch.zeros((len(rows), K, self.vocab_size), device=self.device) if any_sampled else None
-        index = {r.seq_id: i for i, r in enumerate(rows)}
-        # Rounds sent ahead whose rows still stand as they were sent (same k, same committed
-        # length, same endpoint and stream) are collected; any other row is sent now.
-        ahead, self._ahead = self._ahead, []
-        waits: list[tuple[DraftEndpoint, _Stream | None, int, float, set[str]]] = []
-        covered: set[str] = set()
-        for sent in ahead:
-            if sent.endpoint.stream is not sent.stream or sent.endpoint not in self.endpoints:
-                continue  # its stream failed or was replaced: those rows are sent again below
-            mine = {
-                sid
-                for sid, (k, n) in sent.rows.items()
-                if sid in index
-                and rows[index[sid]].k == k
-                and len(rows[index[sid]].tokens) == n
-                and self.seqs[sid].endpoint is sent.endpoint
-            }
-            if mine:
-                covered |= mine
-                waits.append((sent.endpoint, sent.stream, sent.round_id, sent.deadline, mine))
-        self.prefetched_rows += len(covered)
-        deadline = time.monotonic() + self.cfg.round_timeout
-        for ep, ep_rows in self._send([r for r in rows if r.seq_id not in covered]):
-            waits.append((ep, ep.stream, self._last_round_id, deadline, {r.seq_id for r in ep_rows}))
-        failed: set[int] = set()
-        for ep, stream, round_id, until, wanted in waits:
-            if id(ep) in failed:
+        by_ep: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            st = self.seqs[r.seq_id]
+            if not st.endpoint.usable():
+                self._reassign(r.seq_id)
+            by_ep.setdefault(id(self.seqs[r.seq_id].endpoint), []).append(i)
+        # Send every endpoint its round first, then collect: the drafts work in parallel.
+        pending: list[tuple[DraftEndpoint, int, list[int]]] = []
+        for idx in by_ep.values():
+            ep = self.seqs[rows[idx[0]].seq_id].endpoint
+            if not ep.ensure_stream():
                 continue
-            reply = stream.receive(round_id, until) if stream is not None and ep.stream is stream else None
+            round_id = next(self._round_ids)
+            ep.stream.send(self._round_msg(ep, round_id, [rows[i] for i in idx]))
+            pending.append((ep, round_id, idx))
+        deadline = time.monotonic() + self.cfg.round_timeout
+        for ep, round_id, idx in pending:
+            reply = ep.stream.receive(round_id, deadline) if ep.stream is not None else None
             if reply is None:
-                failed.add(id(ep))
                 self._failed(ep)
                 continue
             ep.succeeded()
-            self._fill(reply, {sid: index[sid] for sid in wanted}, rows, token_ids, probs)
+            self._fill(reply, {rows[i].seq_id: i for i in idx}, rows, token_ids, probs)
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
             return Proposal(token_ids[:, :0].to(self.device), None)
         return Proposal(token_ids[:, :width].to(self.device), None if probs is None else probs[:, :width])
-
-    def _send(self, rows: Sequence[DraftRow]) -> list[tuple[DraftEndpoint, list[DraftRow]]]:
-        """Send one round per endpoint holding some of ``rows`` (the drafts then work in parallel);
-        returns what went where. Rows whose endpoint cannot be reached are left out: no guesses."""
-        by_ep: dict[int, list[DraftRow]] = {}
-        for r in rows:
-            if not self.seqs[r.seq_id].endpoint.usable():
-                self._reassign(r.seq_id)
-            by_ep.setdefault(id(self.seqs[r.seq_id].endpoint), []).append(r)
-        out = []
-        for ep_rows in by_ep.values():
-            ep = self.seqs[ep_rows[0].seq_id].endpoint
-            if not ep.ensure_stream():
-                continue
-            self._last_round_id = next(self._round_ids)
-            ep.stream.send(self._round_msg(ep, self._last_round_id, ep_rows))
-            out.append((ep, ep_rows))
-        return out
 
     # ------------------------------------------------------------------ internals
 

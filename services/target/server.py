@@ -36,7 +36,6 @@ class TargetServerConfig(ServiceConfig):
     default_method: str | None = None  # None: "draft" with draft addresses, else "none"
     default_num_tokens: int = 3  # best measured k for the demo pair (README, engine benchmark)
     draft_round_timeout: float = 2.0
-    draft_prefetch: bool = True  # send each draft round as soon as the last one is verified
     tensor_parallel_size: int = 1  # shard the target over this many processes (services/engine/tensor_parallel.py)
 
     @property
@@ -238,7 +237,7 @@ def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tup
     drafter = None
     if draft_endpoints:
         drafter = RemoteDrafter(
-            DraftClientConfig(draft_endpoints, round_timeout=cfg.draft_round_timeout, prefetch=cfg.draft_prefetch),
+            DraftClientConfig(draft_endpoints, round_timeout=cfg.draft_round_timeout),
             target.info.vocab_size,
             target.device,
             on_failure=lambda address: metrics.DRAFT_FAILURES.labels(endpoint=address).inc(),

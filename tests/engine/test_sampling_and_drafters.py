@@ -104,8 +104,8 @@ def test_detokenizer_holds_incomplete_utf8() -> None:
 
 
 def test_model_drafter_asked_again_without_new_tokens_repeats_its_guesses(micro_pair) -> None:
-    """A round sent again after its block was dropped (nothing accepted, nothing new committed)
-    re-feeds the last committed token and guesses the same tokens."""
+    """Asked again with nothing accepted and nothing new committed, the drafter re-feeds the last
+    committed token and guesses the same tokens (it used to fail on an empty step-0 input)."""
     from services.engine.drafters import DraftRow, ModelDrafter
     from services.engine.model import load_model
 

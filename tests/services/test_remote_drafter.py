@@ -109,97 +109,45 @@ def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_service) -> N
         assert spec[f"s{i}"].token_ids == base[f"b{i}"].token_ids
 
 
-def _requests(prefix: str, prompts, temperature: float) -> list[Request]:
-    return [
-        Request(
-            f"{prefix}{i}",
-            p,
-            SamplingParams(temperature, seed=100 + i, max_tokens=24, ignore_eos=True),
-            SpecConfig("draft", 3),
-        )
-        for i, p in enumerate(prompts)
-    ]
+def test_draft_asked_again_with_nothing_new_answers_and_keeps_the_stream(micro_draft_service) -> None:
+    """A row with 0 accepted and no new token (the same question again) gets the same guesses,
+    and the stream stays usable: it once raised in the draft and ended the stream."""
+    import queue
 
+    import grpc
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-T0.8"])
-def test_prefetch_changes_no_output(micro_pair, micro_draft_service, temperature) -> None:
-    """Rounds sent ahead give exactly the tokens that rounds sent on demand give, seeds included."""
-    import torch
-
-    prompts = [(3, 7, 5, 9), (1, 2, 3), (4, 4, 4, 4, 4), (11, 0, 6)]
-    results, used = {}, {}
-    for prefetch in (True, False):
-        target = load_model(str(micro_pair[0]), torch.float32, "cpu")
-        drafter = RemoteDrafter(
-            DraftClientConfig((micro_draft_service,), round_timeout=30.0, prefetch=prefetch), target.info.vocab_size
-        )
-        engine = Engine(target, load_tokenizer(str(micro_pair[0])), None, EngineConfig(8, 64), drafter=drafter)
-        try:
-            res = engine.generate(_requests("r", prompts, temperature))
-        finally:
-            drafter.close()
-        results[prefetch] = {rid: r.token_ids for rid, r in res.items()}
-        used[prefetch] = drafter.prefetched_rows
-        assert sum(r.stats.proposed_tokens for r in res.values()) > 0
-    assert used[True] > 0 and used[False] == 0
-    assert results[True] == results[False]
-
-
-def test_prefetch_with_joins_and_aborts(micro_pair, micro_draft_service) -> None:
-    """Requests joining (sent on demand next to a prefetched round) and aborted with a round in
-    flight leave every other request's output equal to the target alone's."""
-    import torch
-
-    target = load_model(str(micro_pair[0]), torch.float32, "cpu")
-    drafter = RemoteDrafter(DraftClientConfig((micro_draft_service,), round_timeout=30.0), target.info.vocab_size)
-    engine = Engine(target, load_tokenizer(str(micro_pair[0])), None, EngineConfig(8, 64), drafter=drafter)
-    greedy = SamplingParams(0.0, max_tokens=30, ignore_eos=True)
-    prompts = {"a": (3, 7, 5, 9), "b": (1, 2, 3), "c": (4, 4, 4, 4, 4)}
-    out: dict[str, list[int]] = {k: [] for k in prompts}
-    try:
-        engine.add_request(Request("a", prompts["a"], greedy, SpecConfig("draft", 3)))
-        engine.add_request(Request("doomed", (6, 6, 1), greedy, SpecConfig("draft", 3)))
-        for step in range(40):
-            if step == 2:
-                engine.add_request(Request("b", prompts["b"], greedy, SpecConfig("draft", 2)))
-            if step == 3:
-                engine.abort("doomed")  # its next round is already at the draft
-            if step == 5:
-                engine.add_request(Request("c", prompts["c"], greedy, SpecConfig("draft", 3)))
-            for o in engine.step():
-                if o.request_id in out:
-                    out[o.request_id].extend(o.token_ids)
-            if not engine.has_work():
-                break
-        base = engine.generate(
-            [Request(f"base-{k}", p, greedy, SpecConfig("none", 0)) for k, p in prompts.items()]
-        )
-    finally:
-        drafter.close()
-    assert not engine.has_work() and engine.active_slots == 0
-    assert drafter.prefetched_rows > 0 and not drafter.seqs
-    for k in prompts:
-        assert out[k] == base[f"base-{k}"].token_ids, k
-
-
-def test_prefetched_round_with_a_changed_block_size_is_asked_again(micro_pair, micro_draft_service) -> None:
-    """If a row differs from what was sent ahead (here its k), the drafter asks again instead of
-    using the stale block, and the guesses equal those of the same draft model in-process."""
-    import torch
-
-    from services.engine.drafters import DraftRow, ModelDrafter
-    from services.engine.sampling import BatchSampling
+    from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
     tokens = [3, 7, 5, 9, 2]
-    local = ModelDrafter(load_model(str(micro_pair[1]), torch.float32, "cpu"), 2, 64, support=4)
-    local.add("s", tokens)
-    want = local.propose([DraftRow("s", tokens, 2, True)], BatchSampling.from_params([SamplingParams(0.0)], "cpu"))
-    drafter = RemoteDrafter(DraftClientConfig((micro_draft_service,), round_timeout=30.0), 12)
-    try:
-        drafter.add("s", tokens, SamplingParams(0.0))
-        drafter.prefetch([DraftRow("s", tokens, 4, True)])
-        got = drafter.propose([DraftRow("s", tokens, 2, True)], None)
-    finally:
-        drafter.close()
-    assert drafter.prefetched_rows == 0
-    assert got.token_ids.tolist() == want.token_ids.tolist()
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    rounds = [
+        draft_pb2.DraftRound(
+            round_id=1,
+            open=[draft_pb2.OpenSequence(sequence_id="s", token_ids=tokens, sampling=greedy)],
+            rows=[draft_pb2.ProposeRow(sequence_id="s", committed_length=len(tokens), num_tokens=3)],
+        ),
+        draft_pb2.DraftRound(
+            round_id=2, rows=[draft_pb2.ProposeRow(sequence_id="s", committed_length=len(tokens), num_tokens=3)]
+        ),
+        draft_pb2.DraftRound(
+            round_id=3,
+            rows=[
+                draft_pb2.ProposeRow(
+                    sequence_id="s", num_accepted=1, new_token_ids=[4], committed_length=len(tokens) + 1, num_tokens=2
+                )
+            ],
+        ),
+    ]
+    requests: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(micro_draft_service) as channel:
+        call = draft_pb2_grpc.DraftServiceStub(channel).Draft(iter(requests.get, None), timeout=30)
+        replies = []
+        for r in rounds:
+            requests.put(r)
+            replies.append(next(call))
+        requests.put(None)
+        call.cancel()
+    first, again, after = (rep.blocks[0] for rep in replies)
+    assert not first.error and not again.error and not after.error
+    assert len(first.token_ids) == 3 and list(again.token_ids) == list(first.token_ids)
+    assert len(after.token_ids) == 2
