@@ -120,31 +120,25 @@ def test_draft_asked_again_with_nothing_new_answers_and_keeps_the_stream(micro_d
 
     tokens = [3, 7, 5, 9, 2]
     greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
-    rounds = [
-        draft_pb2.DraftRound(
-            round_id=1,
-            open=[draft_pb2.OpenSequence(sequence_id="s", token_ids=tokens, sampling=greedy)],
-            rows=[draft_pb2.ProposeRow(sequence_id="s", committed_length=len(tokens), num_tokens=3)],
-        ),
-        draft_pb2.DraftRound(
-            round_id=2, rows=[draft_pb2.ProposeRow(sequence_id="s", committed_length=len(tokens), num_tokens=3)]
-        ),
-        draft_pb2.DraftRound(
-            round_id=3,
-            rows=[
-                draft_pb2.ProposeRow(
-                    sequence_id="s", num_accepted=1, new_token_ids=[4], committed_length=len(tokens) + 1, num_tokens=2
-                )
-            ],
-        ),
-    ]
+
+    def row(**kw) -> draft_pb2.DraftRound:
+        return draft_pb2.DraftRound(round_id=kw.pop("round_id"), rows=[draft_pb2.ProposeRow(sequence_id="s", **kw)])
+
+    opening = row(round_id=1, committed_length=len(tokens), num_tokens=3)
+    opening.open.add(sequence_id="s", token_ids=tokens, sampling=greedy)
     requests: queue.Queue = queue.Queue()
     with grpc.insecure_channel(micro_draft_service) as channel:
         call = draft_pb2_grpc.DraftServiceStub(channel).Draft(iter(requests.get, None), timeout=30)
         replies = []
-        for r in rounds:
+        for r in (opening, row(round_id=2, committed_length=len(tokens), num_tokens=3)):
             requests.put(r)
             replies.append(next(call))
+        # Then a normal round: the first guess accepted, followed by the target's own token.
+        g1 = replies[1].blocks[0].token_ids[0]
+        requests.put(
+            row(round_id=3, num_accepted=1, new_token_ids=[g1, 4], committed_length=len(tokens) + 2, num_tokens=2)
+        )
+        replies.append(next(call))
         requests.put(None)
         call.cancel()
     first, again, after = (rep.blocks[0] for rep in replies)
