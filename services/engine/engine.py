@@ -327,7 +327,9 @@ class Engine:
             r = torch.tensor(rows, device=self.device)
             sampling = BatchSampling.from_params([seqs[i].req.params for i in rows], self.device)
             p = processed_probs(logits[r], sampling)  # [b, K+1, V]
-            draft_probs = q[r] if with_q else None
+            # q is None when no model row got guesses this round (every draft service down, say):
+            # those rows verify no guesses, so there is nothing to compare against.
+            draft_probs = q[r] if with_q and q is not None else None
             t, n = rejection_sample(p, guesses[r], draft_probs, [round_generator(seqs[i].generator) for i in rows])
             token_ids[r], num_emitted[r] = t, n
         return token_ids, num_emitted

@@ -175,6 +175,23 @@ def test_draft_killed_mid_stream(own_stack, reference_engine) -> None:
     assert metric_sum(s.metrics("target"), "specd_draft_failures_total") > failures_before
     assert usage["completion_tokens"] == 200
 
+    # With the draft still down, a sampled request asking for it completes too, with exactly the
+    # tokens that speculation "none" gives for the same seed (it once failed on the target).
+    def sampled(method: str) -> list[int]:
+        body = {
+            "prompt": ids,
+            "max_tokens": 24,
+            "temperature": 0.9,
+            "seed": 7,
+            "return_token_ids": True,
+            "speculation": {"method": method, "num_tokens": 3 if method == "draft" else 0},
+        }
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    assert sampled("draft") == sampled("none")
+
     # The draft comes back on the same port: the target reconnects and speculates again.
     s.start_draft()
     wait_grpc(s.draft_port, s.procs["draft"], s.logdir / "draft.log")

@@ -145,3 +145,32 @@ def test_draft_asked_again_with_nothing_new_answers_and_keeps_the_stream(micro_d
     assert not first.error and not again.error and not after.error
     assert len(first.token_ids) == 3 and list(again.token_ids) == list(first.token_ids)
     assert len(after.token_ids) == 2
+
+
+def test_sampled_rows_decode_without_guesses_when_no_draft_answers(micro_pair) -> None:
+    """With every draft service unreachable, sampled requests asking for the draft still complete,
+    exactly as without speculation (same seed, same tokens). The engine once indexed the missing q
+    and failed the whole batch."""
+    engine = _remote_engine(micro_pair, f"127.0.0.1:{free_port()}")  # nothing listens there
+    try:
+        prompts = [(3, 7, 5, 9), (1, 2, 3)]
+
+        def requests(method: str, k: int) -> list[Request]:
+            return [
+                Request(
+                    f"{method}{i}",
+                    p,
+                    SamplingParams(0.9, seed=10 + i, max_tokens=12, ignore_eos=True),
+                    SpecConfig(method, k),
+                )
+                for i, p in enumerate(prompts)
+            ]
+
+        spec = engine.generate(requests("draft", 3))
+        base = engine.generate(requests("none", 0))
+    finally:
+        engine.drafters["draft"].close()
+    assert sum(r.stats.proposed_tokens for r in spec.values()) == 0  # the draft really never answered
+    for i in range(len(prompts)):
+        assert len(spec[f"draft{i}"].token_ids) == 12
+        assert spec[f"draft{i}"].token_ids == base[f"none{i}"].token_ids
