@@ -3,10 +3,11 @@
 In one run, interleaved:
 
 - **through the stack**: streaming ``/v1/completions`` requests at concurrency 1, 4 and 16, with
-  speculation off (``none``) and on (``draft``, k=3), greedy, exactly ``max_tokens`` tokens each;
+  speculation off (``none``) and on (``draft`` at each block size k asked for; a request carries
+  its own k, so one stack serves them all), greedy, exactly ``max_tokens`` tokens each;
 - **in-process**: the same prompts through the :class:`Engine` in this process, batch 1, ``none``
-  and ``draft``, once per pass, right after that pass's concurrency-1 runs (the stack is idle
-  meanwhile).
+  and ``draft`` at each k, once per pass, right after that pass's concurrency-1 runs (the stack is
+  idle meanwhile).
   Interleaving matters: this machine drifts by several percent over minutes, and a ratio of two
   speed-ups measured minutes apart inherits that drift.
 
@@ -43,18 +44,27 @@ class ServeBenchConfig:
     target: str
     draft: str
     dtype: str = "bfloat16"
-    k: int = 3
+    ks: tuple[int, ...] = (3,)  # block sizes for "draft", each measured side by side
     max_tokens: int = 96
     concurrencies: tuple[int, ...] = (1, 4, 16)
     repeats: int = 3
     out_dir: str = "benchmarks/results"
     quick: bool = False
 
+    def __post_init__(self) -> None:
+        if not self.ks or len(set(self.ks)) != len(self.ks) or not all(1 <= k <= 16 for k in self.ks):
+            raise ValueError(f"--k for --serve: distinct block sizes from 1 to 16, got {self.ks}")
+
+
+def _mode(k: int) -> str:
+    """The label of a speculation mode: "none" for k = 0, else "draft k=<k>"."""
+    return "none" if k == 0 else f"draft k={k}"
+
 
 @dataclass
 class LoadResult:
     concurrency: int
-    method: str
+    k: int  # 0: speculation off
     tokens: int = 0
     wall_seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
@@ -88,7 +98,7 @@ class _Stack:
             "--port",
             str(self.port),
             "--num-speculative-tokens",
-            str(cfg.k),
+            str(cfg.ks[0]),  # every request names its own k; this is only the server's default
         ]
         for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
             args += [flag, str(others.pop())]
@@ -121,7 +131,7 @@ class _Stack:
         self.log.close()
 
 
-async def _one_stream(client: httpx.AsyncClient, prompt: str, method: str, cfg: ServeBenchConfig, res: LoadResult):
+async def _one_stream(client: httpx.AsyncClient, prompt: str, k: int, cfg: ServeBenchConfig, res: LoadResult):
     body = {
         "prompt": prompt,
         "max_tokens": cfg.max_tokens,
@@ -130,7 +140,7 @@ async def _one_stream(client: httpx.AsyncClient, prompt: str, method: str, cfg: 
         "stream": True,
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
-        "speculation": {"method": method, "num_tokens": cfg.k if method != "none" else 0},
+        "speculation": {"method": "draft" if k else "none", "num_tokens": k},
     }
     t0 = time.perf_counter()
     last = None
@@ -158,15 +168,15 @@ async def _one_stream(client: httpx.AsyncClient, prompt: str, method: str, cfg: 
             res.tokens += n
 
 
-async def _load(url: str, concurrency: int, method: str, cfg: ServeBenchConfig, prompts: list[str]) -> LoadResult:
-    res = LoadResult(concurrency, method)
+async def _load(url: str, concurrency: int, k: int, cfg: ServeBenchConfig, prompts: list[str]) -> LoadResult:
+    res = LoadResult(concurrency, k)
     per_worker = max(1, len(prompts) // concurrency) if concurrency <= len(prompts) else 2
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
 
         async def worker(w: int) -> None:
             for j in range(per_worker):
-                await _one_stream(client, prompts[(w + j * concurrency) % len(prompts)], method, cfg, res)
+                await _one_stream(client, prompts[(w + j * concurrency) % len(prompts)], k, cfg, res)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
@@ -184,7 +194,7 @@ def _merge(into: LoadResult, other: LoadResult) -> None:
 
 
 class _InProcess:
-    """The engine in this process at batch 1, ``none`` and ``draft``; passes add into the totals."""
+    """The engine in this process at batch 1, ``none`` and ``draft`` at each k; passes add into the totals."""
 
     def __init__(self, cfg: ServeBenchConfig, prompts: list[str]) -> None:
         from services.engine.builder import ModelSpec, build_engine
@@ -195,31 +205,31 @@ class _InProcess:
             ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1)
         )
         self.ids = [tuple(encode_text(self.engine.tokenizer, p)) for p in prompts]
-        self.tokens = {"none": 0, "draft": 0}
-        self.seconds = {"none": 0.0, "draft": 0.0}
+        self.tokens = {k: 0 for k in (0, *cfg.ks)}
+        self.seconds = {k: 0.0 for k in (0, *cfg.ks)}
         self.run_pass(count=False)  # warm-up
 
-    def run_pass(self, count: bool = True) -> dict[str, float]:
-        """One pass over the prompts in both modes; returns this pass's tokens/s per mode."""
+    def run_pass(self, count: bool = True) -> dict[int, float]:
+        """One pass over the prompts in every mode; returns this pass's tokens/s per k (0: none)."""
         params = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens, ignore_eos=True)
         this = {}
-        for method in ("none", "draft"):
+        for k in self.tokens:
             tokens, seconds = 0, 0.0
             for i, p in enumerate(self.ids):
-                spec = SpecConfig(method, self.cfg.k if method == "draft" else 0)
-                req = Request(f"{method}-{time.monotonic_ns()}-{i}", p, params, spec)
+                spec = SpecConfig("draft" if k else "none", k)
+                req = Request(f"{k}-{time.monotonic_ns()}-{i}", p, params, spec)
                 t0 = time.perf_counter()
                 out = self.engine.generate([req])[req.request_id]
                 seconds += time.perf_counter() - t0
                 tokens += len(out.token_ids)
-            this[method] = tokens / seconds
+            this[k] = tokens / seconds
             if count:
-                self.tokens[method] += tokens
-                self.seconds[method] += seconds
+                self.tokens[k] += tokens
+                self.seconds[k] += seconds
         return this
 
-    def totals(self) -> dict[str, float]:
-        return {m: self.tokens[m] / self.seconds[m] for m in self.tokens}
+    def totals(self) -> dict[int, float]:
+        return {k: self.tokens[k] / self.seconds[k] for k in self.tokens}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -235,60 +245,66 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     prompts = CODE_PROMPTS[:2] if cfg.quick else CODE_PROMPTS
     concurrencies = (1, 4) if cfg.quick else cfg.concurrencies
     repeats = 1 if cfg.quick else cfg.repeats
+    modes = (0, *cfg.ks)
     print("loading the in-process engine ...", flush=True)
     inproc = _InProcess(cfg, prompts)
     print(f"starting specd serve ({cfg.dtype}) ...", flush=True)
     stack = _Stack(cfg)
-    results: dict[tuple[int, str], LoadResult] = {}
-    pass_ratios = []
+    results: dict[tuple[int, int], LoadResult] = {}
+    pass_shares: dict[int, list[float]] = {k: [] for k in cfg.ks}
     try:
-        for method in ("none", "draft"):  # warm-up, not counted
-            asyncio.run(_load(stack.url, 2, method, cfg, prompts[:2]))
+        for k in modes:  # warm-up, not counted
+            asyncio.run(_load(stack.url, 2, k, cfg, prompts[:2]))
         for rep in range(repeats):
             c1 = {}
             # Concurrency 1 first and the in-process pass right after it: the two speed-ups that
             # are compared are then measured within a minute of each other.
             order = sorted(concurrencies, key=lambda c: c != 1)
             for n, c in enumerate(order):
-                for method in ("none", "draft"):
-                    r = asyncio.run(_load(stack.url, c, method, cfg, prompts))
-                    key = (c, method)
-                    if key in results:
-                        _merge(results[key], r)
+                for k in modes:
+                    r = asyncio.run(_load(stack.url, c, k, cfg, prompts))
+                    if (c, k) in results:
+                        _merge(results[(c, k)], r)
                     else:
-                        results[key] = r
+                        results[(c, k)] = r
                     if c == 1:
-                        c1[method] = r.tokens_per_second
+                        c1[k] = r.tokens_per_second
                     print(
-                        f"  pass {rep + 1}: concurrency {c:2d} {method:5s} {r.tokens_per_second:7.1f} tok/s", flush=True
+                        f"  pass {rep + 1}: concurrency {c:2d} {_mode(k):10s} {r.tokens_per_second:7.1f} tok/s",
+                        flush=True,
                     )
                 if n == 0:
                     ip = inproc.run_pass()
                     print(
-                        f"  pass {rep + 1}: in-process     none {ip['none']:7.1f}  draft {ip['draft']:7.1f} tok/s",
+                        f"  pass {rep + 1}: in-process     "
+                        + "  ".join(f"{_mode(k)} {v:7.1f}" for k, v in ip.items())
+                        + " tok/s",
                         flush=True,
                     )
             if 1 in concurrencies:
-                pass_ratios.append(round((c1["draft"] / c1["none"]) / (ip["draft"] / ip["none"]), 3))
+                for k in cfg.ks:
+                    pass_shares[k].append(round((c1[k] / c1[0]) / (ip[k] / ip[0]), 3))
     finally:
         stack.stop()
     doc = _document(cfg, results, inproc.totals(), concurrencies)
-    doc["concurrency_1"]["share_kept_per_pass"] = pass_ratios
+    for k, shares in pass_shares.items():
+        doc["concurrency_1"][_mode(k)]["share_kept_per_pass"] = shares
     (out / "serve_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(render(doc))
     return doc
 
 
-def _document(cfg, results, inproc, concurrencies) -> dict:
+def _document(cfg: ServeBenchConfig, results, inproc: dict[int, float], concurrencies) -> dict:
     rows = []
     for c in concurrencies:
-        base = results[(c, "none")]
-        for method in ("none", "draft"):
-            r = results[(c, method)]
+        base = results[(c, 0)]
+        for k in (0, *cfg.ks):
+            r = results[(c, k)]
             rows.append(
                 {
                     "concurrency": c,
-                    "method": method,
+                    "method": "draft" if k else "none",
+                    "k": k,
                     "requests": len(r.ttft),
                     "tokens": r.tokens,
                     "tokens_per_second": round(r.tokens_per_second, 1),
@@ -299,27 +315,23 @@ def _document(cfg, results, inproc, concurrencies) -> dict:
                     "acceptance_rate": round(r.accepted / r.proposed, 3) if r.proposed else None,
                 }
             )
-    c1 = {m: results[(1, m)].tokens_per_second for m in ("none", "draft")}
-    e2e_speedup = c1["draft"] / c1["none"]
-    inproc_speedup = inproc["draft"] / inproc["none"]
-    overhead = {
-        m: {
-            "in_process_tokens_per_second": round(inproc[m], 1),
-            "stack_tokens_per_second": round(c1[m], 1),
-            "overhead_ms_per_token": round(1000 * (1 / c1[m] - 1 / inproc[m]), 3),
+    c1 = {k: results[(1, k)].tokens_per_second for k in (0, *cfg.ks)} if 1 in concurrencies else {}
+    per_mode = {}
+    for k in c1:
+        entry = {
+            "in_process_tokens_per_second": round(inproc[k], 1),
+            "stack_tokens_per_second": round(c1[k], 1),
+            "overhead_ms_per_token": round(1000 * (1 / c1[k] - 1 / inproc[k]), 3),
         }
-        for m in ("none", "draft")
-    }
-    return {
-        "config": asdict(cfg),
-        "rows": rows,
-        "concurrency_1": {
-            "in_process_speedup": round(inproc_speedup, 3),
-            "stack_speedup": round(e2e_speedup, 3),
-            "share_of_in_process_speedup_kept": round(e2e_speedup / inproc_speedup, 3),
-            "per_method": overhead,
-        },
-    }
+        if k:
+            e2e, local = c1[k] / c1[0], inproc[k] / inproc[0]
+            entry |= {
+                "in_process_speedup": round(local, 3),
+                "stack_speedup": round(e2e, 3),
+                "share_of_in_process_speedup_kept": round(e2e / local, 3),
+            }
+        per_mode[_mode(k)] = entry
+    return {"config": asdict(cfg), "rows": rows, "concurrency_1": per_mode}
 
 
 def render(doc: dict) -> str:
@@ -332,24 +344,32 @@ def render(doc: dict) -> str:
     for r in doc["rows"]:
         acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(
-            f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
+            f"| {r['concurrency']} | {_mode(r['k'])} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
             f"{r['ttft_ms_p50']:.1f} | {r['tbt_ms_p50']:.2f} | {r['tbt_ms_p99']:.2f} | {acc} |"
         )
     c1 = doc["concurrency_1"]
+    if not c1:
+        return "\n".join(lines)
     lines += [
         "",
-        "| concurrency 1 | in-process tok/s | through the stack tok/s | overhead per token (ms) |",
-        "|---|---|---|---|",
+        "| concurrency 1 | in-process tok/s | through the stack tok/s | overhead per token (ms) "
+        "| in-process speed-up | stack speed-up | share kept |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for m, v in c1["per_method"].items():
-        lines.append(
-            f"| {m} | {v['in_process_tokens_per_second']:.1f} | {v['stack_tokens_per_second']:.1f} | "
-            f"{v['overhead_ms_per_token']:.2f} |"
+    for mode, v in c1.items():
+        extra = (
+            f"{v['in_process_speedup']:.2f}x | {v['stack_speedup']:.2f}x | "
+            f"**{100 * v['share_of_in_process_speedup_kept']:.0f}%**"
+            if "stack_speedup" in v
+            else " | | "
         )
-    lines += [
-        "",
-        f"Speed-up at concurrency 1: in-process {c1['in_process_speedup']:.2f}x, through the stack "
-        f"{c1['stack_speedup']:.2f}x: the stack keeps {100 * c1['share_of_in_process_speedup_kept']:.0f}% of it "
-        f"(per pass: {', '.join(f'{100 * x:.0f}%' for x in c1.get('share_kept_per_pass', []))}).",
-    ]
+        lines.append(
+            f"| {mode} | {v['in_process_tokens_per_second']:.1f} | {v['stack_tokens_per_second']:.1f} | "
+            f"{v['overhead_ms_per_token']:.2f} | {extra} |"
+        )
+    for mode, v in c1.items():
+        if v.get("share_kept_per_pass"):
+            lines.append(
+                f"\n{mode}, share kept per pass: {', '.join(f'{100 * x:.0f}%' for x in v['share_kept_per_pass'])}."
+            )
     return "\n".join(lines)

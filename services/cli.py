@@ -109,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 target=args.target,
                 draft=args.draft,
                 dtype=args.dtype,
-                k=int(args.k.split(",")[0]) if args.k_given else 3,
+                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (3,),
                 max_tokens=args.max_tokens,
                 concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
                 repeats=args.repeats or 3,
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="engine benchmark: baselines and specd side by side")
     _add_model_args(b)
-    b.add_argument("--k", default=None, help="block sizes to sweep (default 1..8; --serve: one k, default 3)")
+    b.add_argument("--k", default=None, help="block sizes to sweep (default 1..8; --serve: 3)")
     b.add_argument("--max-tokens", type=int, default=96)
     b.add_argument("--temperatures", default="0,0.8")
     b.add_argument(

@@ -66,3 +66,28 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
         } <= set(r)
     assert doc["costs_ms"]["c"] > 0
     assert (tmp_path / "engine_bench.png").stat().st_size > 10_000
+
+
+def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> None:
+    """``bench --serve`` starts a real stack, sends every mode through it and through the engine,
+    and reports each k against the same baseline (no timing is asserted)."""
+    target, draft = tiny_pair
+    res = _specd(
+        "bench", "--serve", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--quick",
+        "--k", "2,3", "--max-tokens", "8", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "serve_bench.json").read_text())
+    rows = {(r["concurrency"], r["k"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, k) for c in (1, 4) for k in (0, 2, 3)}
+    for (c, k), r in rows.items():
+        assert r["method"] == ("none" if k == 0 else "draft")
+        assert r["tokens"] == 8 * r["requests"] and r["requests"] > 0  # every token came back
+        assert (r["acceptance_rate"] is None) == (k == 0)
+    c1 = doc["concurrency_1"]
+    assert set(c1) == {"none", "draft k=2", "draft k=3"}
+    for mode in ("draft k=2", "draft k=3"):
+        assert c1[mode]["share_of_in_process_speedup_kept"] > 0
+        assert len(c1[mode]["share_kept_per_pass"]) == 1
+        assert c1[mode]["in_process_tokens_per_second"] > 0
+    assert "| 1 | draft k=3 |" in res.stdout
