@@ -80,7 +80,7 @@ def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> Non
     doc = json.loads((tmp_path / "serve_bench.json").read_text())
     rows = {(r["concurrency"], r["k"]): r for r in doc["rows"]}
     assert set(rows) == {(c, k) for c in (1, 4) for k in (0, 2, 3)}
-    for (c, k), r in rows.items():
+    for (_, k), r in rows.items():
         assert r["method"] == ("none" if k == 0 else "draft")
         assert r["tokens"] == 8 * r["requests"] and r["requests"] > 0  # every token came back
         assert (r["acceptance_rate"] is None) == (k == 0)
