@@ -35,6 +35,7 @@ import httpx
 
 from benchmarks.engine_bench import CODE_PROMPTS
 from services.common.ports import free_ports
+from services.common.process import die_with_parent
 from services.engine.engine import EngineConfig, Request, SpecConfig
 from services.engine.sampling import SamplingParams
 
@@ -103,7 +104,10 @@ class _Stack:
         for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
             args += [flag, str(others.pop())]
         self.log = open(Path(cfg.out_dir) / "serve_bench.log.tmp", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
+        # die_with_parent: a bench killed outright (a test's timeout, say) takes its stack with it.
+        self.proc = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, process_group=0, preexec_fn=die_with_parent
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while True:

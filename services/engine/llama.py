@@ -6,13 +6,16 @@ forward fuses QKV and gate/up into single matmuls, keeps the cache static, compu
 where asked, and on CPU can pre-pack bf16 weights for oneDNN (verifying 4 tokens then costs ~1.2x
 one token instead of 1.8x).
 
-Weights come from any Hugging Face checkpoint (local dir or hub id) through ``transformers``, so
-RoPE variants (llama3 scaling etc.) use the exact ``inv_freq`` that ``transformers`` computes.
+Weights come from any Hugging Face checkpoint (local dir or hub id), through ``transformers`` or,
+for tensor-parallel ranks, straight from its safetensors files (:func:`open_llama_checkpoint`);
+either way RoPE variants (llama3 scaling etc.) use the exact ``inv_freq`` that ``transformers``
+computes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -222,18 +225,20 @@ class LlamaLM:
 
 @dataclass(frozen=True)
 class LlamaCheckpoint:
-    """Everything :class:`LlamaLM` is built from, read out of a ``transformers`` model (full, unsharded)."""
+    """Everything :class:`LlamaLM` is built from: shape, weights (full, unsharded), RoPE, model info.
+
+    ``state`` is a plain dict when read out of a loaded ``transformers`` model, or a lazy
+    :class:`~services.engine.checkpoint.SafetensorsState` that reads each tensor when asked.
+    """
 
     shape: LlamaShape
-    state: dict[str, torch.Tensor]
+    state: Mapping[str, torch.Tensor]
     inv_freq: torch.Tensor
     attention_scaling: float
     info: ModelInfo
 
 
-def read_llama(hf_model) -> LlamaCheckpoint:
-    """Shape, weights, RoPE frequencies and model info of an already-loaded Llama-family model."""
-    cfg = hf_model.config
+def _shape_and_info(cfg, eos_token_ids: tuple[int, ...]) -> tuple[LlamaShape, ModelInfo]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     max_pos = cfg.max_position_embeddings
     window = getattr(cfg, "sliding_window", None)
@@ -250,17 +255,61 @@ def read_llama(hf_model) -> LlamaCheckpoint:
         rms_eps=cfg.rms_norm_eps,
         max_positions=max_pos,
     )
-    rotary = hf_model.model.rotary_emb
     info = ModelInfo(
         name=getattr(cfg, "_name_or_path", "") or cfg.model_type,
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
         max_context=max_pos,
-        eos_token_ids=eos_ids_of(hf_model),
+        eos_token_ids=eos_token_ids,
         backend="specd-llama",
     )
+    return shape, info
+
+
+def read_llama(hf_model) -> LlamaCheckpoint:
+    """Shape, weights, RoPE frequencies and model info of an already-loaded Llama-family model."""
+    shape, info = _shape_and_info(hf_model.config, eos_ids_of(hf_model))
+    rotary = hf_model.model.rotary_emb
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
     return LlamaCheckpoint(shape, state, rotary.inv_freq.detach(), float(rotary.attention_scaling), info)
+
+
+def _rotary_embedding(cfg) -> torch.nn.Module:
+    """The model's own ``transformers`` rotary embedding, built from the config alone (no weights),
+    so every RoPE variant gets exactly the ``inv_freq`` and scaling ``transformers`` computes."""
+    import importlib
+
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    module = importlib.import_module(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)].__module__)
+    (cls,) = [v for k, v in vars(module).items() if k.endswith("RotaryEmbedding") and isinstance(v, type)]
+    return cls(config=cfg)
+
+
+def open_llama_checkpoint(name_or_path: str) -> LlamaCheckpoint | None:
+    """A lazy checkpoint over the model's safetensors files (local dir or hub id), without loading
+    any weight yet; None when there are no safetensors files to read (load through transformers)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from services.engine.checkpoint import SafetensorsState, local_checkpoint_dir, safetensors_files
+
+    directory = local_checkpoint_dir(name_or_path)
+    files = safetensors_files(directory) if directory is not None else None
+    if files is None:
+        return None
+    cfg = AutoConfig.from_pretrained(directory)
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"no own forward for model_type {cfg.model_type!r}")
+    try:
+        generation = GenerationConfig.from_pretrained(directory)
+    except OSError:  # no generation_config.json
+        generation = None
+    shape, info = _shape_and_info(cfg, eos_ids_of(SimpleNamespace(config=cfg, generation_config=generation)))
+    info = dataclasses.replace(info, name=name_or_path)
+    rotary = _rotary_embedding(cfg)
+    return LlamaCheckpoint(shape, SafetensorsState(files), rotary.inv_freq, float(rotary.attention_scaling), info)
 
 
 def load_llama(hf_model, dtype: torch.dtype, device: torch.device | str, prepack: bool | None) -> LlamaLM:

@@ -164,13 +164,18 @@ def _load_hf(name_or_path: str):
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).eval()
 
 
-def _own_llama(hf_model, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    from services.engine.llama import load_llama
+def _own_llama(name_or_path: str, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    from services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint
 
-    return load_llama(hf_model, dtype, device, prepack=None)
+    # Straight from the safetensors files, one tensor at a time in the checkpoint's dtype: no
+    # float32 copy of the whole model on the host first. Other formats go through transformers.
+    c = open_llama_checkpoint(name_or_path)
+    if c is None:
+        return load_llama(_load_hf(name_or_path), dtype, device, prepack=None)
+    return LlamaLM(c.shape, c.state, c.inv_freq, c.attention_scaling, c.info, dtype, device, prepack=None)
 
 
-# model_type -> builder. Everything else falls back to transformers.
+# model_type -> builder(name_or_path, dtype, device). Everything else falls back to transformers.
 BACKENDS: dict[str, Callable[..., CausalLM]] = {
     "llama": _own_llama,
     "mistral": _own_llama,
@@ -185,13 +190,16 @@ def load_model(
     backend: str = "auto",
 ) -> CausalLM:
     """Load an HF causal LM by local path or hub id. ``backend``: "auto", "own" or "transformers"."""
-    hf_model = _load_hf(name_or_path)
-    builder = BACKENDS.get(hf_model.config.model_type)
-    if backend == "transformers" or (builder is None and backend == "auto"):
-        return HFCausalLM(hf_model, dtype, device)
-    if builder is None:
-        raise ValueError(f"no own forward for model_type {hf_model.config.model_type!r}")
-    return builder(hf_model, dtype, device)
+    if backend != "transformers":
+        from transformers import AutoConfig
+
+        model_type = AutoConfig.from_pretrained(name_or_path).model_type
+        builder = BACKENDS.get(model_type)
+        if builder is not None:
+            return builder(name_or_path, dtype, device)
+        if backend == "own":
+            raise ValueError(f"no own forward for model_type {model_type!r}")
+    return HFCausalLM(_load_hf(name_or_path), dtype, device)
 
 
 def check_same_vocab(target: ModelInfo, draft: ModelInfo) -> None:

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from services.common.process import die_with_parent
+from services.engine.checkpoint import SafetensorsState
 from services.engine.kv_cache import KVCache
-from services.engine.llama import SUPPORTED_MODEL_TYPES, LlamaLM, LlamaShape, read_llama
+from services.engine.llama import SUPPORTED_MODEL_TYPES, LlamaLM, LlamaShape, open_llama_checkpoint, read_llama
 from services.engine.model import BatchLayout
 from services.paths import DTYPE_NAMES
 
@@ -73,13 +74,17 @@ def check_shardable(num_heads: int, num_kv_heads: int, intermediate_size: int, w
             raise ValueError(f"tensor parallel size {world} does not divide the model's {what} ({n})")
 
 
-def _split(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    # clone: a slice would keep the whole unsharded tensor alive.
-    return t.chunk(world, dim=dim)[rank].clone()
+def split_dim(name: str) -> int | None:
+    """The dim along which tensor ``name`` is split over the ranks; None if every rank keeps it whole."""
+    if any(part in name for part in _COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_ROW_PARALLEL):
+        return 1
+    return None
 
 
 def shard_llama_state(
-    state: dict[str, torch.Tensor], shape: LlamaShape, rank: int, world: int
+    state: Mapping[str, torch.Tensor], shape: LlamaShape, rank: int, world: int
 ) -> tuple[dict[str, torch.Tensor], LlamaShape]:
     """Rank ``rank``'s share of a full Llama state dict, and the shape its forward runs with.
 
@@ -93,14 +98,15 @@ def shard_llama_state(
     check_shardable(shape.num_heads, shape.num_kv_heads, intermediate, world)
     out = {}
     for name, t in state.items():
-        if any(part in name for part in _COLUMN_PARALLEL):
-            out[name] = _split(t, 0, rank, world)
-        elif name.endswith(_ROW_PARALLEL):
-            out[name] = _split(t, 1, rank, world)
-        else:
-            out[name] = t
-    local = dataclasses.replace(shape, num_heads=shape.num_heads // world, num_kv_heads=shape.num_kv_heads // world)
-    return out, local
+        dim = split_dim(name)
+        # clone: a slice would keep the whole unsharded tensor alive.
+        out[name] = t if dim is None else t.chunk(world, dim=dim)[rank].clone()
+    return out, local_shape(shape, world)
+
+
+def local_shape(shape: LlamaShape, world: int) -> LlamaShape:
+    """The shape one rank's forward runs with: its share of the query and key/value heads."""
+    return dataclasses.replace(shape, num_heads=shape.num_heads // world, num_kv_heads=shape.num_kv_heads // world)
 
 
 # ------------------------------------------------------------------------------ process group
@@ -167,15 +173,27 @@ def init_tp(
 
 
 def load_llama_shard(model: str, dtype: torch.dtype, group: TPGroup) -> LlamaLM:
-    """Load ``model`` (local dir or hub id) and keep this rank's shard on its device."""
-    from services.engine.model import _load_hf
+    """Load ``model`` (local dir or hub id) and keep this rank's shard on its device.
 
-    hf = _load_hf(model)
-    if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"tensor parallel needs the own Llama forward; {hf.config.model_type!r} has none")
-    full = read_llama(hf)
-    del hf
-    state, shape = shard_llama_state(full.state, full.shape, group.rank, group.world)
+    From safetensors files each rank reads only its own slices, one tensor at a time
+    (:mod:`services.engine.checkpoint`). Without them (``.bin`` checkpoints) every rank loads the
+    whole model through ``transformers`` and then keeps its share.
+    """
+    full = open_llama_checkpoint(model)
+    if full is not None:
+        intermediate = full.state.shape_of("model.layers.0.mlp.gate_proj.weight")[0]
+        check_shardable(full.shape.num_heads, full.shape.num_kv_heads, intermediate, group.world)
+        state: Mapping[str, torch.Tensor] = SafetensorsState(full.state.files, split_dim, group.rank, group.world)
+        shape = local_shape(full.shape, group.world)
+    else:
+        from services.engine.model import _load_hf
+
+        hf = _load_hf(model)
+        if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"tensor parallel needs the own Llama forward; {hf.config.model_type!r} has none")
+        full = read_llama(hf)
+        del hf
+        state, shape = shard_llama_state(full.state, full.shape, group.rank, group.world)
     info = dataclasses.replace(full.info, backend=f"specd-llama-tp{group.world}")
     return LlamaLM(
         shape, state, full.inv_freq, full.attention_scaling, info, dtype, group.device, reduce=group.all_reduce
