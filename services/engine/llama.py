@@ -6,10 +6,10 @@ forward fuses QKV and gate/up into single matmuls, keeps the cache static, compu
 where asked, and on CPU can pre-pack bf16 weights for oneDNN (verifying 4 tokens then costs ~1.2x
 one token instead of 1.8x).
 
-Weights come from any Hugging Face checkpoint (local dir or hub id), through ``transformers`` or,
-for tensor-parallel ranks, straight from its safetensors files (:func:`open_llama_checkpoint`);
-either way RoPE variants (llama3 scaling etc.) use the exact ``inv_freq`` that ``transformers``
-computes.
+Weights come from any Hugging Face checkpoint (local dir or hub id): straight from its safetensors
+files (:func:`open_llama_checkpoint`; a tensor-parallel rank takes only its slices), or through
+``transformers`` for other formats. Either way RoPE variants (llama3 scaling etc.) use the exact
+``inv_freq`` that ``transformers`` computes.
 """
 
 from __future__ import annotations
@@ -281,9 +281,9 @@ def _rotary_embedding(cfg) -> torch.nn.Module:
 
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    module = importlib.import_module(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)].__module__)
-    (cls,) = [v for k, v in vars(module).items() if k.endswith("RotaryEmbedding") and isinstance(v, type)]
-    return cls(config=cfg)
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]  # e.g. Qwen2ForCausalLM -> Qwen2RotaryEmbedding
+    module = importlib.import_module(model_cls.__module__)
+    return getattr(module, model_cls.__name__.removesuffix("ForCausalLM") + "RotaryEmbedding")(config=cfg)
 
 
 def open_llama_checkpoint(name_or_path: str) -> LlamaCheckpoint | None:
