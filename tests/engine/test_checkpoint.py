@@ -3,7 +3,6 @@ ranks do: the same model as through ``transformers``, and each rank only its own
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from services.engine.checkpoint import SafetensorsState
 from services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint, read_llama
 from services.engine.model import BatchLayout
 from services.engine.tensor_parallel import local_shape, shard_llama_state, split_dim
-from tests.engine.test_tensor_parallel import TOL, _ThreadGroup
+from tests.engine.test_tensor_parallel import assert_sharded_forward_matches
 from tests.tiny_models import random_hf_model
 
 MODELS = {
@@ -83,28 +82,8 @@ def test_each_rank_reads_exactly_its_shard_from_a_sharded_checkpoint(tmp_path) -
 def test_sharded_forward_from_the_files_matches_the_full_model(tmp_path) -> None:
     hf, path = _saved(tmp_path, "qwen2")
     lazy = open_llama_checkpoint(str(path))
-    ref = load_llama(hf, torch.float32, "cpu", prepack=False)
-    group = _ThreadGroup(2)
-    shards = [
-        LlamaLM(
-            local_shape(lazy.shape, 2),
-            SafetensorsState(lazy.state.files, split_dim, r, 2),
-            lazy.inv_freq,
-            lazy.attention_scaling,
-            lazy.info,
-            torch.float32,
-            prepack=False,
-            reduce=group.reducer(r),
-        )
-        for r in range(2)
-    ]
-    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-    layout = BatchLayout([1, 0], [0, 0], 12)
-    expected = ref.forward(ids, ref.new_cache(2, 32), layout)
-    with ThreadPoolExecutor(2) as pool:
-        outs = list(pool.map(lambda m: m.forward(ids, m.new_cache(2, 32), layout), shards))
-    for out in outs:
-        assert (out - expected).abs().max() < TOL
+    shards = [(SafetensorsState(lazy.state.files, split_dim, r, 2), local_shape(lazy.shape, 2)) for r in range(2)]
+    assert_sharded_forward_matches(load_llama(hf, torch.float32, "cpu", prepack=False), lazy, shards)
 
 
 def test_without_safetensors_files_transformers_loads_it(tmp_path) -> None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -123,27 +123,31 @@ def test_sharded_forward_matches_in_threads(model_type: str, overrides: dict, wo
     hf = random_hf_model(model_type, **overrides)
     ref = load_llama(hf, torch.float32, "cpu", prepack=False)
     full = read_llama(hf)
-    group = _ThreadGroup(world)
-    shards = []
-    for r in range(world):
-        state, shape = shard_llama_state(full.state, full.shape, r, world)
-        shards.append(
-            LlamaLM(
-                shape,
-                state,
-                full.inv_freq,
-                full.attention_scaling,
-                full.info,
-                torch.float32,
-                prepack=False,
-                reduce=group.reducer(r),
-            )
+    shards = [shard_llama_state(full.state, full.shape, r, world) for r in range(world)]
+    assert_sharded_forward_matches(ref, full, shards)
+
+
+def assert_sharded_forward_matches(ref: LlamaLM, full, shards: list[tuple[Mapping, object]]) -> None:
+    """Ranks as threads, each building a ``LlamaLM`` from its (state, shape): logits within TOL of ``ref``."""
+    group = _ThreadGroup(len(shards))
+    models = [
+        LlamaLM(
+            shape,
+            state,
+            full.inv_freq,
+            full.attention_scaling,
+            full.info,
+            torch.float32,
+            prepack=False,
+            reduce=group.reducer(r),
         )
+        for r, (state, shape) in enumerate(shards)
+    ]
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     layout = BatchLayout([1, 0], [0, 0], 12)
     expected = ref.forward(ids, ref.new_cache(2, 32), layout)
-    with ThreadPoolExecutor(world) as pool:
-        outs = list(pool.map(lambda m: m.forward(ids, m.new_cache(2, 32), layout), shards))
+    with ThreadPoolExecutor(len(models)) as pool:
+        outs = list(pool.map(lambda m: m.forward(ids, m.new_cache(2, 32), layout), models))
     for out in outs:
         assert (out - expected).abs().max() < TOL
 
