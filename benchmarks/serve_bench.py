@@ -56,6 +56,11 @@ class ServeBenchConfig:
         if not self.ks or len(set(self.ks)) != len(self.ks) or not all(1 <= k <= 16 for k in self.ks):
             raise ValueError(f"--k for --serve: distinct block sizes from 1 to 16, got {self.ks}")
 
+    @property
+    def modes(self) -> tuple[int, ...]:
+        """Every mode measured, as k: 0 (speculation off, the baseline) first, then each k."""
+        return (0, *self.ks)
+
 
 def _mode(k: int) -> str:
     """The label of a speculation mode: "none" for k = 0, else "draft k=<k>"."""
@@ -209,8 +214,8 @@ class _InProcess:
             ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1)
         )
         self.ids = [tuple(encode_text(self.engine.tokenizer, p)) for p in prompts]
-        self.tokens = {k: 0 for k in (0, *cfg.ks)}
-        self.seconds = {k: 0.0 for k in (0, *cfg.ks)}
+        self.tokens = {k: 0 for k in cfg.modes}
+        self.seconds = {k: 0.0 for k in cfg.modes}
         self.run_pass(count=False)  # warm-up
 
     def run_pass(self, count: bool = True) -> dict[int, float]:
@@ -249,7 +254,6 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     prompts = CODE_PROMPTS[:2] if cfg.quick else CODE_PROMPTS
     concurrencies = (1, 4) if cfg.quick else cfg.concurrencies
     repeats = 1 if cfg.quick else cfg.repeats
-    modes = (0, *cfg.ks)
     print("loading the in-process engine ...", flush=True)
     inproc = _InProcess(cfg, prompts)
     print(f"starting specd serve ({cfg.dtype}) ...", flush=True)
@@ -257,7 +261,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     results: dict[tuple[int, int], LoadResult] = {}
     pass_shares: dict[int, list[float]] = {k: [] for k in cfg.ks}
     try:
-        for k in modes:  # warm-up, not counted
+        for k in cfg.modes:  # warm-up, not counted
             asyncio.run(_load(stack.url, 2, k, cfg, prompts[:2]))
         for rep in range(repeats):
             c1 = {}
@@ -265,7 +269,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
             # are compared are then measured within a minute of each other.
             order = sorted(concurrencies, key=lambda c: c != 1)
             for n, c in enumerate(order):
-                for k in modes:
+                for k in cfg.modes:
                     r = asyncio.run(_load(stack.url, c, k, cfg, prompts))
                     if (c, k) in results:
                         _merge(results[(c, k)], r)
@@ -302,7 +306,7 @@ def _document(cfg: ServeBenchConfig, results, inproc: dict[int, float], concurre
     rows = []
     for c in concurrencies:
         base = results[(c, 0)]
-        for k in (0, *cfg.ks):
+        for k in cfg.modes:
             r = results[(c, k)]
             rows.append(
                 {
@@ -319,7 +323,7 @@ def _document(cfg: ServeBenchConfig, results, inproc: dict[int, float], concurre
                     "acceptance_rate": round(r.accepted / r.proposed, 3) if r.proposed else None,
                 }
             )
-    c1 = {k: results[(1, k)].tokens_per_second for k in (0, *cfg.ks)} if 1 in concurrencies else {}
+    c1 = {k: results[(1, k)].tokens_per_second for k in cfg.modes} if 1 in concurrencies else {}
     per_mode = {}
     for k in c1:
         entry = {
