@@ -10,9 +10,18 @@ import time
 from services.paths import DEMO_DRAFT, DEMO_TARGET, DTYPE_NAMES
 
 
+def _add_pair_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pair",
+        default=None,
+        help="a known target/draft pair (see `specd models list`), e.g. qwen2.5-coder; overrides --target/--draft",
+    )
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=str(DEMO_TARGET), help="target model dir or hub id (default: demo target)")
     p.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model dir or hub id (default: demo draft)")
+    _add_pair_arg(p)
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPE_NAMES),
@@ -30,6 +39,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS, up to --max-tokens")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -60,6 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
     req = Request("cli", tuple(prompt_ids), params, SpecConfig(args.method, args.num_speculative_tokens))
     engine.add_request(req)
@@ -68,7 +79,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = None
     finish = None
     t0 = time.perf_counter()
+    t_first = None  # the first tokens come out of the prompt's prefill and the first round
+    first_tokens = 0
     for out in engine.stream():
+        if out.token_ids and t_first is None:
+            t_first, first_tokens = time.perf_counter(), len(out.token_ids)
         token_ids += out.token_ids
         text += out.text
         if not args.json:
@@ -77,6 +92,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if out.finished:
             stats, finish = out.stats, out.finish_reason
     seconds = time.perf_counter() - t0
+    # Decoding only, as llama.cpp reports it: the tokens after the first output, over the time after it.
+    decode_seconds = seconds - (t_first - t0) if t_first is not None else 0.0
+    decode_tokens = len(token_ids) - first_tokens
+    tokens_per_second = decode_tokens / decode_seconds if decode_seconds > 0 else None
     if args.json:
         result = {
             "text": text,
@@ -84,16 +103,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "finish_reason": finish,
             "stats": {
                 **(stats.as_dict() if stats else {}),
-                "decode_seconds": round(seconds, 4),
-                "tokens_per_second": round(len(token_ids) / seconds, 2) if seconds > 0 else None,
+                "time_to_first_token_seconds": round(t_first - t0, 4) if t_first is not None else None,
+                "decode_seconds": round(decode_seconds, 4),
+                "tokens_per_second": round(tokens_per_second, 2) if tokens_per_second else None,
+                "total_seconds": round(seconds, 4),
             },
         }
         print(json.dumps(result))
     else:
         print()
         s = stats
+        rate = f"{tokens_per_second:.1f} tok/s decoding" if tokens_per_second else "no decode steps"
         print(
-            f"[{len(token_ids)} tokens in {seconds:.2f}s, {len(token_ids) / seconds:.1f} tok/s; "
+            f"[{len(token_ids)} tokens in {seconds:.2f}s, first after {(t_first or t0) - t0:.2f}s, {rate}; "
             f"acceptance {s.acceptance_rate:.2f}, {s.tokens_per_forward:.2f} tokens per target forward]",
             file=sys.stderr,
         )
@@ -101,6 +123,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.pair and args.pair != "demo" and not args.serve:
+        from benchmarks.pair_bench import PairBenchConfig, run_pair_bench
+        from services.model_store.fetch import gguf_path
+        from services.model_store.pairs import get_pair
+
+        pair = get_pair(args.pair)
+        ggufs = [gguf_path(m.source) for m in (pair.target, pair.draft) if m.source is not None]
+        run_pair_bench(
+            PairBenchConfig(
+                pair=args.pair,
+                target=args.target,
+                draft=args.draft,
+                target_gguf=str(ggufs[0]) if len(ggufs) == 2 and all(p.is_file() for p in ggufs) else None,
+                draft_gguf=str(ggufs[1]) if len(ggufs) == 2 and all(p.is_file() for p in ggufs) else None,
+                dtype=args.dtype,
+                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5, 6),
+                max_tokens=args.max_tokens,
+                temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                repeats=args.repeats or 1,
+                out_dir=args.out,
+                quick=args.quick,
+                include_hf=not args.no_hf,
+                include_llama_cpp=not args.no_llama_cpp,
+            )
+        )
+        return 0
     if args.serve:
         from benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
 
@@ -216,6 +264,72 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_models_fetch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.model_store.fetch import fetch_pair
+
+    paths = fetch_pair(args.name, Path(args.dir) if args.dir else None)
+    if args.json:
+        print(json.dumps({"target": str(paths.target), "draft": str(paths.draft)}))
+    else:
+        print(f"target: {paths.target}\ndraft:  {paths.draft}")
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from services.model_store.fetch import pair_status
+
+    rows = pair_status()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        where = f"target {r['target']}, draft {r['draft']}" if r["present"] else f"specd models fetch {r['name']}"
+        print(f"{r['name']:15s} {'present' if r['present'] else 'missing':8s} {r['description']}\n{'':24s}{where}")
+    return 0
+
+
+def _pair_for_serve(name: str):
+    """``specd serve --pair``: the pair's folders, fetched on first use; the demo pair, with a warning,
+    when the fetch cannot run (offline, say), so the quick start always serves something."""
+    from services.model_store.fetch import FetchError, PairNotFetchedError, fetch_pair, resolve_pair
+    from services.model_store.pairs import DEMO
+
+    try:
+        return resolve_pair(name)
+    except PairNotFetchedError:
+        print(f"specd serve: model pair {name!r} is not fetched yet; fetching it now (once)", file=sys.stderr)
+    try:
+        return fetch_pair(name)
+    except FetchError as exc:
+        print(
+            f"specd serve: WARNING: could not fetch {name!r}: {exc}\n"
+            f"specd serve: WARNING: serving the bundled DEMO pair instead (a 34M toy model, not for real use); "
+            f"fetch the real pair later with: specd models fetch {name}",
+            file=sys.stderr,
+        )
+        return resolve_pair(DEMO.name)
+
+
+def _apply_pair(args: argparse.Namespace) -> None:
+    """Turn ``--pair NAME`` into the model paths each command reads."""
+    if not getattr(args, "pair", None):
+        return
+    if args.command == "serve":
+        paths = _pair_for_serve(args.pair)
+    else:
+        from services.model_store.fetch import resolve_pair
+
+        paths = resolve_pair(args.pair)
+    if args.command == "target":
+        args.model = str(paths.target)
+    elif args.command == "draft":
+        args.model = str(paths.draft)
+    else:
+        args.target, args.draft = str(paths.target), str(paths.draft)
+
+
 def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int | None) -> None:
     p.add_argument("--model", default=None, help="model dir or hub id")
     p.add_argument("--host", default="0.0.0.0")
@@ -227,6 +341,7 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
     p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + output, in tokens")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: one per core)")
     p.add_argument("--served-model-name", default=None)
+    _add_pair_arg(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--quick", action="store_true", help="two prompts, short outputs (smoke test)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument("--no-llama-cpp", action="store_true", help="--pair: skip llama.cpp's llama-server")
     b.add_argument(
         "--serve",
         action="store_true",
@@ -309,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run draft, target and gateway locally (demo models by default)")
     s.add_argument("--target", default=str(DEMO_TARGET), help="target model dir or hub id")
     s.add_argument("--draft", default=str(DEMO_DRAFT), help="draft model dir or hub id")
+    _add_pair_arg(s)
     s.add_argument("--no-draft", action="store_true", help="no draft service (n-gram or no speculation only)")
     s.add_argument("--host", default="0.0.0.0", help="gateway bind address (the services bind 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
@@ -323,6 +440,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None)
     s.add_argument("--num-speculative-tokens", type=int, default=3)
     s.set_defaults(func=cmd_serve)
+    m = sub.add_parser("models", help="fetch and list the known model pairs")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    mf = msub.add_parser("fetch", help="download, verify and convert a pair into the cache (idempotent)")
+    mf.add_argument("name", help="pair name, e.g. qwen2.5-coder")
+    mf.add_argument("--dir", default=None, help="where the converted folders go (default: ~/.cache/specd/models)")
+    mf.add_argument("--json", action="store_true", help='print one line: {"target": ..., "draft": ...}')
+    mf.set_defaults(func=cmd_models_fetch)
+    ml = msub.add_parser("list", help="the known pairs and which are present")
+    ml.add_argument("--json", action="store_true")
+    ml.set_defaults(func=cmd_models_list)
+
     from services.ray_cluster.cli import add_parser as add_ray_parser
 
     add_ray_parser(sub)
@@ -341,8 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.runtime import configure_openmp
 
     configure_openmp()
+    from services.model_store.fetch import FetchError
+
     try:
+        _apply_pair(args)
         return args.func(args)
+    except FetchError as exc:  # offline, a missing part, a hash mismatch, a full disk
+        parser.exit(1, f"specd {args.command}: error: {exc}\n")
     except (ValueError, OSError) as exc:  # bad arguments or models: a clear message, not a traceback
         parser.exit(2, f"specd {args.command}: error: {exc}\n")
 

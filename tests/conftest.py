@@ -31,6 +31,25 @@ def demo_pair() -> tuple[Path, Path]:
     return DEMO_TARGET, DEMO_DRAFT
 
 
+@pytest.fixture(scope="session")
+def real_pair() -> tuple[Path, Path]:
+    """Qwen2.5-Coder 1.5B/0.5B, fetched into the cache on first use (about 1.6 GB; later runs reuse it).
+
+    Offline and never fetched: skipped on a developer's machine, a failure under CI (where the
+    exactness tests on real weights must run)."""
+    import os
+
+    from services.model_store.fetch import FetchError, fetch_pair
+
+    try:
+        paths = fetch_pair("qwen2.5-coder")
+    except FetchError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the real pair could not be fetched under CI: {exc}")
+        pytest.skip(f"the real pair is not fetched and cannot be: {exc}")
+    return paths.target, paths.draft
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads() -> None:
     torch.manual_seed(0)

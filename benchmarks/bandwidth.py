@@ -1,0 +1,75 @@
+"""The physical limit of decoding on this machine: weight bytes read per token over memory bandwidth.
+
+At batch 1 a decoder reads every weight once per forward (all layers and the output head; of the
+embedding only one row), so tokens/s can not exceed bandwidth / bytes-per-token. The bandwidth is
+measured here, in the same run, by streaming a buffer much larger than the caches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "token_embd.weight")
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Best and median read bandwidth over the repetitions, in GB/s (1e9 bytes)."""
+
+    best_gb_s: float
+    median_gb_s: float
+    buffer_bytes: int
+    threads: int
+
+
+def measure_read_bandwidth(buffer_gb: float = 2.0, reps: int = 12) -> Bandwidth:
+    """Stream a float32 buffer of ``buffer_gb`` GB through ``sum`` on torch's threads (the same threads
+    the engine decodes with); a read-only reduction is bound by memory, not arithmetic."""
+    n = int(buffer_gb * 1e9 / 4)
+    x = torch.ones(n, dtype=torch.float32)
+    x.sum()  # fault every page in before timing
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        rates.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    rates.sort()
+    return Bandwidth(round(rates[-1], 2), round(rates[len(rates) // 2], 2), n * 4, torch.get_num_threads())
+
+
+def safetensors_bytes_per_token(folder: str | Path, bytes_per_param: int = 2) -> int:
+    """Weight bytes one decode step reads from a Hugging Face folder served at ``bytes_per_param``
+    (2 for bf16): every tensor, except the embedding, of which one row."""
+    from services.engine.checkpoint import SafetensorsState, safetensors_files
+
+    files = safetensors_files(Path(folder))
+    if files is None:
+        raise ValueError(f"no safetensors files in {folder}")
+    state = SafetensorsState(files)
+    total = 0
+    for name in state:
+        shape = state.shape_of(name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += shape[-1] * bytes_per_param if name in EMBEDDING_NAMES else numel * bytes_per_param
+    return total
+
+
+def gguf_bytes_per_token(path: str | Path) -> int:
+    """Weight bytes one decode step reads from a GGUF file, in its own (quantized) encoding: every
+    tensor except the embedding, of which one row."""
+    from gguf import GGUFReader
+
+    total = 0
+    for t in GGUFReader(str(path)).tensors:
+        if t.name in EMBEDDING_NAMES:
+            rows = int(t.shape[-1]) if len(t.shape) > 1 else 1  # gguf shapes are innermost first
+            total += int(t.n_bytes) // max(rows, 1)
+        else:
+            total += int(t.n_bytes)
+    return total

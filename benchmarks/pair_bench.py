@@ -1,0 +1,413 @@
+"""``specd bench --pair NAME``: a real pair, against the tools people would otherwise use, in one run.
+
+Systems, each on the same prompts (the same token ids), one request at a time, exactly
+``max_tokens`` tokens (EOS ignored), greedy and T = 0.8:
+
+- **specd** (bf16): target-only; the draft model at k = 1..6; n-gram and hybrid at the default k;
+  the default configuration (what ``specd serve --pair`` does);
+- **transformers**: ``generate()`` on the target, and assisted generation with the draft as
+  ``assistant_model``, in bf16 everywhere and in fp32 on the greedy code prompts (where the goals
+  are judged; fp32 is slower here, as the table shows);
+- **llama.cpp** ``llama-server``: target alone and with ``--model-draft``, on our weights converted
+  to f16 GGUF and on the original Q4_K_M files; skipped with a note when it is not built
+  (``scripts/build_llama_cpp.sh``);
+- **the physical limit**: weight bytes read per token over the read bandwidth measured in this run.
+
+Modes run interleaved, one group (prompt set, temperature) at a time, and ``--repeats`` passes,
+so this machine's slow drifts spread over all of them. tokens/s is wall time from submission to the
+last token (prefill included, ~1% here) for every system; specd's decode-only rate (after the first
+token, as llama.cpp reports) is recorded beside it and is what the bandwidth bound is compared to.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.bandwidth import gguf_bytes_per_token, measure_read_bandwidth, safetensors_bytes_per_token
+from benchmarks.engine_bench import CODE_PROMPTS, alpha_hat
+from services.engine.builder import DTYPES, ModelSpec, build_engine
+from services.engine.chat import encode_chat, encode_text
+from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from services.engine.sampling import SamplingParams
+from services.engine.stats import SpecStats
+
+PROSE_QUESTIONS = [
+    "Explain in plain English how a hash table works.",
+    "Describe what happens, step by step, when you type a URL into a browser.",
+    "What are the trade-offs between threads and processes?",
+]
+CHAT_REQUESTS = [
+    "Write a Python function that parses an ISO 8601 date string into a datetime.",
+    "Write a Python class for a thread-safe bounded queue.",
+    "Write a function that merges two sorted lists into one sorted list.",
+]
+
+
+@dataclass(frozen=True)
+class PairBenchConfig:
+    """What to run; defaults are the full real-pair benchmark."""
+
+    pair: str
+    target: str
+    draft: str
+    target_gguf: str | None = None  # the original quantized files, for llama.cpp
+    draft_gguf: str | None = None
+    dtype: str = "bfloat16"
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    default_method: str = "draft"
+    default_k: int = 3
+    max_tokens: int = 96
+    temperatures: tuple[float, ...] = (0.0, 0.8)
+    prompts_per_category: int = 2
+    repeats: int = 1
+    include_hf: bool = True
+    include_llama_cpp: bool = True
+    llama_threads: int = 2
+    out_dir: str = "benchmarks/results"
+    quick: bool = False
+    seed: int = 0
+
+
+@dataclass
+class Run:
+    """One mode on one group (prompt set, temperature), summed over prompts and passes."""
+
+    system: str  # "specd" | "transformers" | "llama.cpp"
+    mode: str
+    category: str
+    temperature: float
+    k: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_tokens: int = 0  # after each request's first output
+    decode_seconds: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+    llama_draft_n: int = 0
+    llama_draft_accepted: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _prompt_sets(tokenizer, n: int) -> dict[str, list[tuple[int, ...]]]:
+    return {
+        "code": [tuple(encode_text(tokenizer, p)) for p in CODE_PROMPTS[:n]],
+        "prose": [tuple(encode_chat(tokenizer, [{"role": "user", "content": q}])) for q in PROSE_QUESTIONS[:n]],
+        "chat": [tuple(encode_chat(tokenizer, [{"role": "user", "content": q}])) for q in CHAT_REQUESTS[:n]],
+    }
+
+
+def _params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+
+
+def run_specd(engine: Engine, prompts, method: str, k: int, cfg: PairBenchConfig, run: Run) -> None:
+    """Each prompt alone (batch 1); wall time from submission to the last token, and decode-only."""
+    for i, ids in enumerate(prompts):
+        params = _params(run.temperature, cfg.max_tokens, cfg.seed + i)
+        req = Request(f"{run.mode}-{i}-{time.monotonic_ns()}", ids, params, SpecConfig(method, k))
+        t0 = time.perf_counter()
+        engine.add_request(req)
+        first_at, first_n, n, stats = None, 0, 0, None
+        for out in engine.stream():
+            if out.token_ids and first_at is None:
+                first_at, first_n = time.perf_counter(), len(out.token_ids)
+            n += len(out.token_ids)
+            if out.finished:
+                stats = out.stats
+        t1 = time.perf_counter()
+        run.seconds += t1 - t0
+        run.tokens += n
+        if first_at is not None:
+            run.decode_tokens += n - first_n
+            run.decode_seconds += t1 - first_at
+        if stats is not None:
+            run.stats.merge(stats)
+
+
+def run_hf(hf_target, hf_draft, prompts, cfg: PairBenchConfig, run: Run) -> None:
+    """transformers ``generate()``, with ``assistant_model`` when ``hf_draft`` is given."""
+    from transformers import GenerationConfig
+
+    t = run.temperature
+    sampling = dict(do_sample=True, temperature=t, top_k=0, top_p=1.0) if t > 0 else {"do_sample": False}
+    gen = GenerationConfig(
+        max_new_tokens=cfg.max_tokens, min_new_tokens=cfg.max_tokens, pad_token_id=0, eos_token_id=None, **sampling
+    )
+    kw: dict = {"generation_config": gen}
+    if hf_draft is not None:
+        kw["assistant_model"] = hf_draft
+    for i, ids in enumerate(prompts):
+        torch.manual_seed(cfg.seed + i)
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf_target.generate(x, attention_mask=torch.ones_like(x), **kw)
+        run.seconds += time.perf_counter() - t0
+        run.tokens += out.shape[1] - len(ids)
+
+
+def run_llama(server, prompts, cfg: PairBenchConfig, run: Run) -> None:
+    """llama-server's native /completion on the same token ids; wall time, and its own timings."""
+    from benchmarks.llama_cpp import complete
+
+    for i, ids in enumerate(prompts):
+        r = complete(server, list(ids), cfg.max_tokens, run.temperature, cfg.seed + i)
+        run.seconds += r.wall_seconds
+        run.tokens += r.tokens
+        run.decode_tokens += r.predicted_n
+        run.decode_seconds += r.predicted_ms / 1000
+        run.llama_draft_n += r.draft_n
+        run.llama_draft_accepted += r.draft_n_accepted
+
+
+@dataclass
+class LlamaSetup:
+    """The llama-server configurations of this run: name -> (model file, draft file or None)."""
+
+    binary: Path | None
+    note: str
+    configs: dict[str, tuple[Path, Path | None]] = field(default_factory=dict)
+
+
+def _llama_setup(cfg: PairBenchConfig) -> LlamaSetup:
+    if not cfg.include_llama_cpp:
+        return LlamaSetup(None, "llama.cpp skipped (--no-llama-cpp)")
+    from benchmarks.llama_cpp import convert_to_f16_gguf, find_llama_server
+
+    binary = find_llama_server()
+    if binary is None:
+        return LlamaSetup(None, "llama.cpp skipped: llama-server is not built (run scripts/build_llama_cpp.sh)")
+    from services.model_store.fetch import cache_root
+
+    gguf_dir = cache_root() / "gguf"
+    t16 = convert_to_f16_gguf(Path(cfg.target), gguf_dir / f"{Path(cfg.target).name}-f16.gguf")
+    d16 = convert_to_f16_gguf(Path(cfg.draft), gguf_dir / f"{Path(cfg.draft).name}-f16.gguf")
+    setup = LlamaSetup(binary, "", {"f16": (t16, None), "f16+draft": (t16, d16)})
+    if cfg.target_gguf and cfg.draft_gguf:
+        setup.configs["q4_k_m"] = (Path(cfg.target_gguf), None)
+        setup.configs["q4_k_m+draft"] = (Path(cfg.target_gguf), Path(cfg.draft_gguf))
+    return setup
+
+
+def run_pair_bench(cfg: PairBenchConfig) -> dict:
+    """Run everything, print each group's rows, write JSON and a PNG; returns the JSON document."""
+    torch.manual_seed(cfg.seed)
+    engine = build_engine(
+        ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype, draft_dtype=cfg.dtype),
+        EngineConfig(max_batch_size=1, max_model_len=1024),
+    )
+    n = 1 if cfg.quick else cfg.prompts_per_category
+    prompt_sets = _prompt_sets(engine.tokenizer, n)
+    if cfg.quick:
+        prompt_sets = {"code": prompt_sets["code"]}
+    hf = {}
+    hf_draft = None
+    if cfg.include_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = {d: AutoModelForCausalLM.from_pretrained(cfg.target, dtype=DTYPES[d]).eval() for d in ("bfloat16", "float32")}
+        hf_draft = {d: AutoModelForCausalLM.from_pretrained(cfg.draft, dtype=DTYPES[d]).eval() for d in hf}
+    llama = _llama_setup(cfg)
+    print(llama.note or f"llama.cpp: {llama.binary}", flush=True)
+
+    warm = prompt_sets["code"][0]
+    for method in ("none", "draft", "ngram"):
+        for t in cfg.temperatures:
+            engine.generate([Request(f"warm-{method}-{t}", warm, _params(t, 8, 0), SpecConfig(method, cfg.default_k))])
+
+    specd_modes = [("target-only", "none", 0)] + [(f"draft k={k}", "draft", k) for k in cfg.ks]
+    specd_modes += [(f"ngram k={cfg.default_k}", "ngram", cfg.default_k), (f"hybrid k={cfg.default_k}", "hybrid", cfg.default_k)]
+    runs: dict[tuple, Run] = {}
+
+    def get(system: str, mode: str, category: str, t: float, k: int = 0) -> Run:
+        key = (system, mode, category, t)
+        if key not in runs:
+            runs[key] = Run(system, mode, category, t, k)
+        return runs[key]
+
+    for rep in range(cfg.repeats):
+        for category, prompts in prompt_sets.items():
+            for t in cfg.temperatures:
+                for mode, method, k in specd_modes:
+                    run_specd(engine, prompts, method, k, cfg, get("specd", mode, category, t, k))
+                for dtype, model in hf.items():
+                    if dtype == "float32" and not (category == "code" and t == 0.0):
+                        continue
+                    name = "bf16" if dtype == "bfloat16" else "fp32"
+                    run_hf(model, None, prompts, cfg, get("transformers", f"generate {name}", category, t))
+                    run_hf(model, hf_draft[dtype], prompts, cfg, get("transformers", f"assisted {name}", category, t))
+                if llama.binary is not None:
+                    from benchmarks.llama_cpp import LlamaServer
+
+                    for name, (model_file, draft_file) in llama.configs.items():
+                        with LlamaServer(llama.binary, model_file, draft_file, cfg.default_k, cfg.llama_threads) as srv:
+                            run_llama(srv, prompts[:1], cfg, Run("warm", "", "", t))  # first request pays set-up
+                            run_llama(srv, prompts, cfg, get("llama.cpp", name, category, t, cfg.default_k if draft_file else 0))
+                print(f"pass {rep + 1}/{cfg.repeats}: {category} T={t} done", flush=True)
+                if rep == cfg.repeats - 1:
+                    for r in runs.values():
+                        if r.category == category and r.temperature == t:
+                            print("  " + _line(r, runs), flush=True)
+    del hf, hf_draft
+    gc.collect()
+
+    bw = measure_read_bandwidth()
+    bound = {
+        "bandwidth_gb_s": bw.best_gb_s,
+        "bandwidth_median_gb_s": bw.median_gb_s,
+        "specd_bf16_bytes_per_token": safetensors_bytes_per_token(cfg.target, torch.finfo(DTYPES[cfg.dtype]).bits // 8),
+    }
+    bound["specd_bf16_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / bound["specd_bf16_bytes_per_token"], 2)
+    if cfg.target_gguf:
+        bound["q4_k_m_bytes_per_token"] = gguf_bytes_per_token(cfg.target_gguf)
+        bound["q4_k_m_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / bound["q4_k_m_bytes_per_token"], 2)
+    doc = _document(cfg, runs, bound, llama.note)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"pair_bench_{cfg.pair}" + ("_quick" if cfg.quick else "")
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    _plot(doc, out / f"{stem}.png")
+    print(json.dumps(doc["goals"], indent=2))
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    return doc
+
+
+def _base(r: Run, runs: dict) -> Run | None:
+    """Each system's own target-only run of the same group."""
+    own = {"specd": "target-only", "transformers": "generate bf16", "llama.cpp": "f16"}[r.system]
+    if r.system == "transformers" and r.mode.endswith("fp32"):
+        own = "generate fp32"
+    if r.system == "llama.cpp" and r.mode.startswith("q4"):
+        own = "q4_k_m"
+    return runs.get((r.system, own, r.category, r.temperature))
+
+
+def _line(r: Run, runs: dict) -> str:
+    base = _base(r, runs)
+    x = r.tokens_per_second / base.tokens_per_second if base and base.tokens_per_second else 0.0
+    extra = ""
+    if r.system == "specd" and r.stats.proposed_tokens:
+        extra = f" acc={r.stats.acceptance_rate:.2f} tok/fwd={r.stats.tokens_per_forward:.2f}"
+    if r.llama_draft_n:
+        extra = f" acc={r.llama_draft_accepted / r.llama_draft_n:.2f}"
+    return f"{r.system:12s} {r.mode:16s} {r.tokens_per_second:7.2f} tok/s (x{x:.2f} own target-only){extra}"
+
+
+def _row(r: Run, runs: dict) -> dict:
+    base = _base(r, runs)
+    row = {
+        "system": r.system,
+        "mode": r.mode,
+        "category": r.category,
+        "temperature": r.temperature,
+        "k": r.k,
+        "tokens": r.tokens,
+        "seconds": round(r.seconds, 3),
+        "tokens_per_second": round(r.tokens_per_second, 2),
+        "speedup_vs_own_target_only": round(r.tokens_per_second / base.tokens_per_second, 3)
+        if base and base.tokens_per_second
+        else None,
+    }
+    if r.decode_seconds:
+        row["decode_tokens_per_second"] = round(r.decode_tokens_per_second, 2)
+    if r.system == "specd" and r.stats.target_forward_passes:
+        row.update(
+            acceptance_rate=round(r.stats.acceptance_rate, 4),
+            alpha_hat=round(alpha_hat(r.stats), 4),
+            tokens_per_target_forward=round(r.stats.tokens_per_forward, 3),
+        )
+    if r.llama_draft_n:
+        row["acceptance_rate"] = round(r.llama_draft_accepted / r.llama_draft_n, 4)
+    return row
+
+
+def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) -> dict:
+    rows = [_row(r, runs) for r in runs.values()]
+
+    def tps(system: str, mode: str, category: str = "code", t: float = 0.0) -> float | None:
+        r = runs.get((system, mode, category, t))
+        return round(r.tokens_per_second, 2) if r and r.tokens else None
+
+    default_mode = f"{cfg.default_method} k={cfg.default_k}"
+    specd_base = tps("specd", "target-only")
+    specd_default = tps("specd", default_mode)
+    spec_modes = [m for (s, m, c, t) in runs if s == "specd" and c == "code" and t == 0.0 and m != "target-only"]
+    best_mode = max(spec_modes, key=lambda m: tps("specd", m) or 0.0) if spec_modes else None
+    hf_assisted = [v for v in (tps("transformers", "assisted bf16"), tps("transformers", "assisted fp32")) if v]
+    llama_f16_draft = tps("llama.cpp", "f16+draft")
+    llama_best = max(
+        (v for (s, m, c, t), r in runs.items() if s == "llama.cpp" and c == "code" and t == 0.0 for v in [tps(s, m)] if v),
+        default=None,
+    )
+    target_only = runs.get(("specd", "target-only", "code", 0.0))
+    decode = round(target_only.decode_tokens_per_second, 2) if target_only else None
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    goals = {
+        "workload": "code prompts, greedy, tokens/s",
+        "default_mode": default_mode,
+        "specd_target_only": specd_base,
+        "specd_default": specd_default,
+        "default_vs_specd_target_only": ratio(specd_default, specd_base),
+        "default_vs_best_hf_assisted": ratio(specd_default, max(hf_assisted) if hf_assisted else None),
+        "specd_target_only_decode": decode,
+        "bandwidth_bound": bound["specd_bf16_bound_tokens_per_second"],
+        "target_only_share_of_bound": ratio(decode, bound["specd_bf16_bound_tokens_per_second"]),
+        "best_specd_mode": best_mode,
+        "best_specd": tps("specd", best_mode) if best_mode else None,
+        "llama_cpp_f16_with_draft": llama_f16_draft,
+        "best_specd_vs_llama_cpp_f16_with_draft": ratio(tps("specd", best_mode) if best_mode else None, llama_f16_draft),
+        "default_vs_llama_cpp_f16_with_draft": ratio(specd_default, llama_f16_draft),
+        "llama_cpp_best": llama_best,
+    }
+    return {
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "llama_cpp": llama_note or "built",
+        "bound": bound,
+        "goals": goals,
+        "rows": rows,
+    }
+
+
+def _plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["category"], r["temperature"]) for r in doc["rows"]})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 6), squeeze=False, sharey=True)
+    colors = {"specd": "tab:blue", "transformers": "tab:orange", "llama.cpp": "tab:green"}
+    for ax, (category, t) in zip(axes[0], groups):
+        rows = [r for r in doc["rows"] if r["category"] == category and r["temperature"] == t]
+        labels = [f"{r['system']} {r['mode']}" for r in rows]
+        ax.barh(range(len(rows)), [r["tokens_per_second"] for r in rows], color=[colors[r["system"]] for r in rows])
+        ax.set_yticks(range(len(rows)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{category}, T={t}")
+        ax.set_xlabel("tokens/s (batch 1)")
+        if category == "code" and t == 0.0:
+            ax.axvline(doc["bound"]["specd_bf16_bound_tokens_per_second"], color="grey", ls=":", lw=1)
+    fig.suptitle(f"{doc['config']['pair']}: specd, transformers and llama.cpp (dotted: bf16 bandwidth bound)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
