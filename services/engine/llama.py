@@ -15,6 +15,7 @@ files (:func:`open_llama_checkpoint`; a tensor-parallel rank takes only its slic
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -41,17 +42,34 @@ class LlamaShape:
     max_positions: int
 
 
-class Linear:
-    """y = x W^T (+ b), optionally through oneDNN with a weight packed once at load time."""
+@functools.cache
+def onednn_bf16_prepack_supported() -> bool:
+    """Whether oneDNN can pack bf16 linear weights on this CPU (it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 refuses at load time)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
+
+class Linear:
+    """y = x W^T (+ b): through oneDNN with a weight packed once at load time (``prepack``), through
+    our AVX2 bf16 kernel (``kernel``, :mod:`services.engine.kernels`), or through ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, kernel=None) -> None:
         self.bias = bias
         self.prepacked = prepack
+        self.kernel = None if prepack else kernel
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if prepack else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -119,8 +137,14 @@ class LlamaLM:
         if prepack is None:
             # oneDNN packing pays off for bf16 on CPU; fp32 stays on plain matmuls so identity tests
             # compare against transformers with the same kernels.
-            prepack = self.device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            prepack = self.device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_prepack_supported()
         self.prepacked = prepack
+        kernel = None
+        if not prepack and self.device.type == "cpu" and dtype == torch.bfloat16:
+            from services.engine.kernels import bf16_linear
+
+            kernel = bf16_linear()  # None where it does not apply: torch's matmul then
+        self.kernel_name = "onednn-prepacked" if prepack else ("specd-avx2-bf16" if kernel else "torch")
 
         def w(name: str) -> torch.Tensor:
             return state[name].to(device=self.device, dtype=dtype).contiguous()
@@ -139,13 +163,13 @@ class LlamaLM:
 
         def row_linear(prefix: str) -> Linear | RowParallelLinear:
             if reduce is None:
-                return Linear(w(prefix + ".weight"), opt(prefix + ".bias"), prepack)
-            return RowParallelLinear(Linear(w(prefix + ".weight"), None, prepack), opt(prefix + ".bias"), reduce)
+                return Linear(w(prefix + ".weight"), opt(prefix + ".bias"), prepack, kernel)
+            return RowParallelLinear(Linear(w(prefix + ".weight"), None, prepack, kernel), opt(prefix + ".bias"), reduce)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-        self.lm_head = Linear(head.to(device=self.device, dtype=dtype).contiguous(), None, prepack)
+        self.lm_head = Linear(head.to(device=self.device, dtype=dtype).contiguous(), None, prepack, kernel)
         self.layers: list[_Layer] = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
@@ -156,10 +180,10 @@ class LlamaLM:
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b, prepack),
+                    qkv=Linear(qkv_w, qkv_b, prepack, kernel),
                     o=row_linear(a + "o_proj"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(gu_w, cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]), prepack),
+                    gate_up=Linear(gu_w, cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]), prepack, kernel),
                     down=row_linear(p + "mlp.down_proj"),
                 )
             )

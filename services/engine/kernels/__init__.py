@@ -1,0 +1,82 @@
+"""CPU kernels of our own, compiled on first use, for where PyTorch's are slow.
+
+``bf16_linear``: bf16-weight linear layers on AVX2 CPUs without oneDNN's bf16 support (AMD Zen 1-3,
+Intel before AVX-512). Measured on a 2-core Zen 3 at batch 1 (``specd bench --pair``), torch's own
+bf16 matmul there streams weights at about half the machine's read bandwidth and costs k+1 times as
+much to verify k+1 tokens as to decode one, which leaves speculation nothing to win. The kernel
+(``bf16_linear_avx2.cpp``) streams each weight row once per block of up to 7 rows and is batch
+invariant, so verification is exact against one-token decoding.
+
+Built with ``torch.utils.cpp_extension`` into ``$SPECD_CACHE/torch_extensions`` (about 30 s once,
+then loaded in milliseconds). If the build fails, or the CPU lacks AVX2/FMA, the callers keep
+torch's matmul: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("bf16_linear_avx2.cpp")
+# SPECD_BF16_KERNEL=0 keeps torch's matmul (for A/B runs and as an escape hatch).
+ENV_SWITCH = "SPECD_BF16_KERNEL"
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    words = set(flags.split())
+    return {"avx2", "fma"} <= words
+
+
+def _build_dir() -> Path:
+    from services.model_store.fetch import cache_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return cache_root() / "torch_extensions" / f"specd_kernels-{digest}"
+
+
+@functools.cache
+def bf16_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+    """The compiled ``specd_kernels::bf16_linear(x, weight, bias)`` op, or None where it does not apply."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not _cpu_has_avx2_fma():
+        return None
+    try:
+        op = torch.ops.specd_kernels.bf16_linear
+        return op
+    except (AttributeError, RuntimeError):
+        pass
+    build = _build_dir()
+    library = build / "specd_kernels.so"
+    try:
+        if not library.is_file():
+            from torch.utils import cpp_extension
+
+            build.mkdir(parents=True, exist_ok=True)
+            # pip installs ninja into the venv's bin, which is not on PATH unless the venv is active.
+            os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+            print("specd: compiling the AVX2 bf16 kernel (once, about 30 s)", file=sys.stderr, flush=True)
+            cpp_extension.load(
+                name="specd_kernels",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=False,
+            )
+        else:
+            torch.ops.load_library(str(library))
+        return torch.ops.specd_kernels.bf16_linear
+    except Exception as exc:  # a missing compiler, say: fall back, loudly
+        warnings.warn(f"specd: the AVX2 bf16 kernel is unavailable ({exc}); using torch's matmul", stacklevel=2)
+        return None

@@ -1,0 +1,65 @@
+"""The AVX2 bf16 linear kernel (services/engine/kernels): accurate, and batch invariant (each row's
+result is bit-identical whatever else is in the batch), which exact speculation relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.kernels import _cpu_has_avx2_fma, bf16_linear
+
+pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="needs an x86 CPU with AVX2 and FMA")
+
+
+@pytest.fixture(scope="module")
+def op():
+    kernel = bf16_linear()
+    assert kernel is not None, "the kernel failed to build on a CPU that has AVX2"
+    return kernel
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (37, 50), (300, 1536), (64, 8960 // 8)])
+def test_matches_a_float32_reference(op, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(5, k, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float(), b.float())
+    for bias in (b, None):
+        got = op(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (5, n)
+        want = ref if bias is not None else F.linear(x.float(), w.float())
+        # fp32 accumulation, one bf16 rounding of the result: within bf16's relative precision
+        assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+def test_rows_are_bit_identical_whatever_the_batch(op) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 136, generator=g).bfloat16()  # 136 = 8 * 16 + 8: exercises the scalar tail
+    b = torch.randn(200, generator=g).bfloat16()
+    x = torch.randn(40, 136, generator=g).bfloat16()
+    whole = op(x, w, b)
+    for m in (1, 2, 6, 7, 8, 13, 39):
+        assert torch.equal(op(x[:m], w, b), whole[:m])
+    assert torch.equal(op(x[17:18], w, b), whole[17:18])  # a row alone equals it inside a block
+    shuffled = torch.randperm(40, generator=g)
+    assert torch.equal(op(x[shuffled], w, b), whole[shuffled])
+
+
+def test_leading_dimensions_and_float32_inputs(op) -> None:
+    w = torch.randn(24, 32).bfloat16()
+    x = torch.randn(2, 3, 32).bfloat16()
+    y = op(x, w, None)
+    assert y.shape == (2, 3, 24)
+    assert torch.equal(y.reshape(6, 24), op(x.reshape(6, 32), w, None))
+    assert op(x.float(), w, None).dtype == torch.float32
+
+
+def test_the_bf16_model_uses_it_where_onednn_cannot_pack() -> None:
+    from services.engine.llama import load_llama, onednn_bf16_prepack_supported
+    from tests.tiny_models import random_hf_model
+
+    ours = load_llama(random_hf_model("llama"), torch.bfloat16, "cpu", prepack=None)
+    expected = "onednn-prepacked" if onednn_bf16_prepack_supported() else "specd-avx2-bf16"
+    assert ours.kernel_name == expected
