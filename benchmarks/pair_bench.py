@@ -60,6 +60,7 @@ class PairBenchConfig:
     target_gguf: str | None = None  # the original quantized files, for llama.cpp
     draft_gguf: str | None = None
     dtype: str = "bfloat16"
+    draft_quantize: str | None = None
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     default_method: str = "draft"
     default_k: int = 3
@@ -206,7 +207,13 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
     """Run everything, print each group's rows, write JSON and a PNG; returns the JSON document."""
     torch.manual_seed(cfg.seed)
     engine = build_engine(
-        ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype, draft_dtype=cfg.dtype),
+        ModelSpec(
+            target=cfg.target,
+            draft=cfg.draft,
+            target_dtype=cfg.dtype,
+            draft_dtype=cfg.dtype,
+            draft_quantize=cfg.draft_quantize,
+        ),
         EngineConfig(max_batch_size=1, max_model_len=1024),
     )
     n = 1 if cfg.quick else cfg.prompts_per_category

@@ -34,6 +34,7 @@ class ServeConfig:
     dtype: str = "bfloat16"
     draft_dtype: str | None = None  # default: dtype
     draft_threads: int | None = None  # default: 1 on CPU (see _commands), torch's default elsewhere
+    draft_quantize: str | None = None
     device: str = "cpu"
     api_key: str | None = None
     num_speculative_tokens: int = 3
@@ -58,6 +59,8 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
             draft += ["--threads", str(cfg.draft_threads or 1)]
         elif cfg.draft_threads:
             draft += ["--threads", str(cfg.draft_threads)]
+        if cfg.draft_quantize:
+            draft += ["--quantize", cfg.draft_quantize]
         cmds.append(("draft", draft))
     target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port, cfg.dtype)
     target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]

@@ -28,6 +28,7 @@ class DraftServerConfig(ServiceConfig):
     port: int = 50051
     max_sequences: int = 64
     support: int = 128  # entries of the truncated q sent per sampled guess
+    quantize: str | None = None  # "int8": weight-only, half the bytes per step; the target's output is unchanged
 
 
 def block_to_pb(b: BlockOut) -> draft_pb2.Block:
@@ -105,7 +106,7 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
     from services.engine.engine import MAX_SPECULATIVE_TOKENS
     from services.engine.model import load_model
 
-    model = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend)
+    model = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend, quantize=cfg.quantize)
     max_len = min(cfg.max_model_len, model.info.max_context)
     drafter = ModelDrafter(model, cfg.max_sequences, max_len + MAX_SPECULATIVE_TOKENS + 2, support=cfg.support)
     info = common_pb2.InfoResponse(

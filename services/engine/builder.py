@@ -26,6 +26,9 @@ class ModelSpec:
     device: str = "cpu"
     backend: str = "auto"  # "auto" | "own" | "transformers"
     tensor_parallel_size: int = 1  # target only (services/engine/tensor_parallel.py); the draft is never sharded
+    # "int8": the draft's weights quantized at load (half the bytes per draft step). Exactness depends
+    # only on the target, so any draft keeps the output unchanged; only acceptance can move.
+    draft_quantize: str | None = None
 
 
 def load_tokenizer(path: str):
@@ -62,7 +65,7 @@ def build_engine(spec: ModelSpec, config: EngineConfig = EngineConfig()) -> Engi
     target = load_target(spec)
     draft = None
     if spec.draft:
-        draft = load_model(spec.draft, DTYPES[spec.draft_dtype], spec.device, spec.backend)
+        draft = load_model(spec.draft, DTYPES[spec.draft_dtype], spec.device, spec.backend, quantize=spec.draft_quantize)
         check_same_vocab(target.info, draft.info)
         check_same_tokenizer(tokenizer, load_tokenizer(spec.draft), spec.target, spec.draft)
     return Engine(target, tokenizer, draft, config)

@@ -55,19 +55,43 @@ def onednn_bf16_prepack_supported() -> bool:
     return True
 
 
+QUANTIZE_MODES = ("int8",)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric weight-only int8, one fp32 scale per output row: ``weight ~= q * scale[:, None]``."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
 class Linear:
     """y = x W^T (+ b): through oneDNN with a weight packed once at load time (``prepack``), through
-    our AVX2 bf16 kernel (``kernel``, :mod:`services.engine.kernels`), or through ``F.linear``."""
+    our AVX2 bf16 kernel (``kernel``, :mod:`services.engine.kernels`), through the int8 kernel with
+    the weight quantized at load (``quantize="int8"``), or through ``F.linear``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, kernel=None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, kernel=None, quantize: str | None = None
+    ) -> None:
         self.bias = bias
-        self.prepacked = prepack
-        self.kernel = None if prepack else kernel
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if prepack else weight
+        self.scale: torch.Tensor | None = None
+        self.prepacked = prepack and quantize is None
+        self.kernel = None if self.prepacked else kernel
+        if quantize == "int8":
+            from services.engine.kernels import int8_linear
+
+            self.kernel = int8_linear()
+            if self.kernel is None:
+                raise ValueError("int8 weights need the AVX2 kernels, which are unavailable on this machine")
+            weight, self.scale = quantize_int8(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.scale is not None:
+            return self.kernel(x, self.weight, self.scale, self.bias)
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -129,6 +153,7 @@ class LlamaLM:
         device: torch.device | str = "cpu",
         prepack: bool | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        quantize: str | None = None,
     ) -> None:
         self.shape = shape
         self.info = info
@@ -144,7 +169,11 @@ class LlamaLM:
             from services.engine.kernels import bf16_linear
 
             kernel = bf16_linear()  # None where it does not apply: torch's matmul then
+        if quantize is not None and (quantize not in QUANTIZE_MODES or self.device.type != "cpu"):
+            raise ValueError(f"weight quantization {quantize!r} is not available on {self.device.type}")
         self.kernel_name = "onednn-prepacked" if prepack else ("specd-avx2-bf16" if kernel else "torch")
+        if quantize:
+            self.kernel_name = f"specd-avx2-{quantize}"
 
         def w(name: str) -> torch.Tensor:
             return state[name].to(device=self.device, dtype=dtype).contiguous()
@@ -163,13 +192,14 @@ class LlamaLM:
 
         def row_linear(prefix: str) -> Linear | RowParallelLinear:
             if reduce is None:
-                return Linear(w(prefix + ".weight"), opt(prefix + ".bias"), prepack, kernel)
-            return RowParallelLinear(Linear(w(prefix + ".weight"), None, prepack, kernel), opt(prefix + ".bias"), reduce)
+                return Linear(w(prefix + ".weight"), opt(prefix + ".bias"), prepack, kernel, quantize)
+            lin = Linear(w(prefix + ".weight"), None, prepack, kernel, quantize)
+            return RowParallelLinear(lin, opt(prefix + ".bias"), reduce)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-        self.lm_head = Linear(head.to(device=self.device, dtype=dtype).contiguous(), None, prepack, kernel)
+        self.lm_head = Linear(head.to(device=self.device, dtype=dtype).contiguous(), None, prepack, kernel, quantize)
         self.layers: list[_Layer] = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
@@ -180,10 +210,12 @@ class LlamaLM:
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b, prepack, kernel),
+                    qkv=Linear(qkv_w, qkv_b, prepack, kernel, quantize),
                     o=row_linear(a + "o_proj"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(gu_w, cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]), prepack, kernel),
+                    gate_up=Linear(
+                        gu_w, cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]), prepack, kernel, quantize
+                    ),
                     down=row_linear(p + "mlp.down_proj"),
                 )
             )
@@ -336,7 +368,9 @@ def open_llama_checkpoint(name_or_path: str) -> LlamaCheckpoint | None:
     return LlamaCheckpoint(shape, SafetensorsState(files), rotary.inv_freq, float(rotary.attention_scaling), info)
 
 
-def load_llama(hf_model, dtype: torch.dtype, device: torch.device | str, prepack: bool | None) -> LlamaLM:
+def load_llama(
+    hf_model, dtype: torch.dtype, device: torch.device | str, prepack: bool | None, quantize: str | None = None
+) -> LlamaLM:
     """Build a :class:`LlamaLM` from an already-loaded ``transformers`` Llama-family model."""
     c = read_llama(hf_model)
-    return LlamaLM(c.shape, c.state, c.inv_freq, c.attention_scaling, c.info, dtype, device, prepack)
+    return LlamaLM(c.shape, c.state, c.inv_freq, c.attention_scaling, c.info, dtype, device, prepack, quantize=quantize)

@@ -4,8 +4,11 @@
 Intel before AVX-512). Measured on a 2-core Zen 3 at batch 1 (``specd bench --pair``), torch's own
 bf16 matmul there streams weights at about half the machine's read bandwidth and costs k+1 times as
 much to verify k+1 tokens as to decode one, which leaves speculation nothing to win. The kernel
-(``bf16_linear_avx2.cpp``) streams each weight row once per block of up to 7 rows and is batch
+(``linear_avx2.cpp``) streams each weight row once per block of up to 7 rows and is batch
 invariant, so verification is exact against one-token decoding.
+
+``int8_linear``: the same kernel over weight-only int8 with one scale per output row, half the bytes
+of bf16, for drafts (``--draft-quantize int8``): a draft may be anything, speculation stays exact.
 
 Built with ``torch.utils.cpp_extension`` into ``$SPECD_CACHE/torch_extensions`` (about 30 s once,
 then loaded in milliseconds). If the build fails, or the CPU lacks AVX2/FMA, the callers keep
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("bf16_linear_avx2.cpp")
+SOURCE = Path(__file__).with_name("linear_avx2.cpp")
 # SPECD_BF16_KERNEL=0 keeps torch's matmul (for A/B runs and as an escape hatch).
 ENV_SWITCH = "SPECD_BF16_KERNEL"
 
@@ -45,16 +48,22 @@ def _build_dir() -> Path:
     return cache_root() / "torch_extensions" / f"specd_kernels-{digest}"
 
 
-@functools.cache
 def bf16_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
     """The compiled ``specd_kernels::bf16_linear(x, weight, bias)`` op, or None where it does not apply."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not _cpu_has_avx2_fma():
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not _load():
         return None
-    try:
-        op = torch.ops.specd_kernels.bf16_linear
-        return op
-    except (AttributeError, RuntimeError):
-        pass
+    return torch.ops.specd_kernels.bf16_linear
+
+
+def int8_linear() -> Callable[..., torch.Tensor] | None:
+    """The compiled ``specd_kernels::int8_linear(x, weight, scale, bias)`` op, or None where it does not apply."""
+    return torch.ops.specd_kernels.int8_linear if _load() else None
+
+
+@functools.cache
+def _load() -> bool:
+    if not _cpu_has_avx2_fma():
+        return False
     build = _build_dir()
     library = build / "specd_kernels.so"
     try:
@@ -64,7 +73,7 @@ def bf16_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
             build.mkdir(parents=True, exist_ok=True)
             # pip installs ninja into the venv's bin, which is not on PATH unless the venv is active.
             os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-            print("specd: compiling the AVX2 bf16 kernel (once, about 30 s)", file=sys.stderr, flush=True)
+            print("specd: compiling the AVX2 linear kernels (once, about 30 s)", file=sys.stderr, flush=True)
             cpp_extension.load(
                 name="specd_kernels",
                 sources=[str(SOURCE)],
@@ -76,7 +85,7 @@ def bf16_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
             )
         else:
             torch.ops.load_library(str(library))
-        return torch.ops.specd_kernels.bf16_linear
+        return True
     except Exception as exc:  # a missing compiler, say: fall back, loudly
-        warnings.warn(f"specd: the AVX2 bf16 kernel is unavailable ({exc}); using torch's matmul", stacklevel=2)
-        return None
+        warnings.warn(f"specd: the AVX2 kernels are unavailable ({exc}); using torch's matmul", stacklevel=2)
+        return False

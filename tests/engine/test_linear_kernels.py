@@ -63,3 +63,48 @@ def test_the_bf16_model_uses_it_where_onednn_cannot_pack() -> None:
     ours = load_llama(random_hf_model("llama"), torch.bfloat16, "cpu", prepack=None)
     expected = "onednn-prepacked" if onednn_bf16_prepack_supported() else "specd-avx2-bf16"
     assert ours.kernel_name == expected
+
+
+def test_int8_matches_its_dequantized_weights_and_is_batch_invariant() -> None:
+    from services.engine.kernels import int8_linear
+    from services.engine.llama import quantize_int8
+
+    op = int8_linear()
+    assert op is not None
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(150, 136, generator=g).bfloat16()
+    b = torch.randn(150, generator=g).bfloat16()
+    x = torch.randn(20, 136, generator=g).bfloat16()
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (150,)
+    assert ((q.float() * scale[:, None]) - w.float()).abs().max() <= scale.max() / 2 + 1e-6
+    got = op(x, q, scale, b)
+    want = F.linear(x.float(), q.float() * scale[:, None], b.float())
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+    for m in (1, 4, 7, 11):
+        assert torch.equal(op(x[:m], q, scale, b), got[:m])
+
+
+def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
+    """Exactness depends only on the target: the int8 draft changes guesses, never the output."""
+    from services.engine.builder import ModelSpec, build_engine
+    from services.engine.chat import encode_text
+    from services.engine.engine import EngineConfig, Request, SpecConfig
+    from services.engine.sampling import SamplingParams
+
+    target, draft = demo_pair
+    engine = build_engine(
+        ModelSpec(str(target), str(draft), draft_quantize="int8"), EngineConfig(max_batch_size=4, max_model_len=256)
+    )
+    assert engine.drafters["draft"].model.kernel_name == "specd-avx2-int8"
+    prompts = [tuple(encode_text(engine.tokenizer, p)) for p in ("def f(x):\n", "import os\n", "class A:\n")]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=7)
+    for params in (greedy, seeded):
+        ref = engine.generate([Request(f"n{i}", p, params, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
+        for k in (2, 4):
+            got = engine.generate([Request(f"d{k}{i}", p, params, SpecConfig("draft", k)) for i, p in enumerate(prompts)])
+            accepted = sum(got[f"d{k}{i}"].stats.accepted_tokens for i in range(len(prompts)))
+            assert accepted > 0
+            if params is greedy:  # sampled: same law, not the same draws (the sampling-law tests cover it)
+                assert [got[f"d{k}{i}"].token_ids for i in range(3)] == [ref[f"n{i}"].token_ids for i in range(3)]
