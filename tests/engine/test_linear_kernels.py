@@ -31,7 +31,7 @@ def test_matches_a_float32_reference(op, n: int, k: int) -> None:
         assert got.dtype == torch.bfloat16 and got.shape == (5, n)
         want = ref if bias is not None else F.linear(x.float(), w.float())
         # fp32 accumulation, one bf16 rounding of the result: within bf16's relative precision
-        assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+        assert (got.float() - want).abs().max() <= 2**-7 * want.abs().max() + 1e-3
 
 
 def test_rows_are_bit_identical_whatever_the_batch(op) -> None:
@@ -80,13 +80,15 @@ def test_int8_matches_its_dequantized_weights_and_is_batch_invariant() -> None:
     assert ((q.float() * scale[:, None]) - w.float()).abs().max() <= scale.max() / 2 + 1e-6
     got = op(x, q, scale, b)
     want = F.linear(x.float(), q.float() * scale[:, None], b.float())
-    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+    assert (got.float() - want).abs().max() <= 2**-7 * want.abs().max() + 1e-3
     for m in (1, 4, 7, 11):
         assert torch.equal(op(x[:m], q, scale, b), got[:m])
 
 
 def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
-    """Exactness depends only on the target: the int8 draft changes guesses, never the output."""
+    """Exactness depends only on the target: the int8 draft changes guesses, never the output
+    (float32 target, where greedy identity is exact; in bf16 attention over k+1 queries may round
+    differently from one query, so bf16 identity is measured by the benchmark, not asserted)."""
     from services.engine.builder import ModelSpec, build_engine
     from services.engine.chat import encode_text
     from services.engine.engine import EngineConfig, Request, SpecConfig
@@ -94,7 +96,8 @@ def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
 
     target, draft = demo_pair
     engine = build_engine(
-        ModelSpec(str(target), str(draft), draft_quantize="int8"), EngineConfig(max_batch_size=4, max_model_len=256)
+        ModelSpec(str(target), str(draft), "float32", "float32", draft_quantize="int8"),
+        EngineConfig(max_batch_size=4, max_model_len=256),
     )
     assert engine.drafters["draft"].model.kernel_name == "specd-avx2-int8"
     prompts = [tuple(encode_text(engine.tokenizer, p)) for p in ("def f(x):\n", "import os\n", "class A:\n")]
@@ -103,7 +106,9 @@ def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
     for params in (greedy, seeded):
         ref = engine.generate([Request(f"n{i}", p, params, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
         for k in (2, 4):
-            got = engine.generate([Request(f"d{k}{i}", p, params, SpecConfig("draft", k)) for i, p in enumerate(prompts)])
+            got = engine.generate(
+                [Request(f"d{k}{i}", p, params, SpecConfig("draft", k)) for i, p in enumerate(prompts)]
+            )
             accepted = sum(got[f"d{k}{i}"].stats.accepted_tokens for i in range(len(prompts)))
             assert accepted > 0
             if params is greedy:  # sampled: same law, not the same draws (the sampling-law tests cover it)

@@ -55,7 +55,7 @@ def references(real_pair, prompts) -> list[tuple[list[int], list[float]]]:
             out = hf.generate(
                 torch.tensor([ids]), generation_config=gen, output_scores=True, return_dict_in_generate=True
             )
-        gaps = [float((s[0].topk(2).values[0] - s[0].topk(2).values[1])) for s in out.scores]
+        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
         refs.append((out.sequences[0, len(ids) :].tolist(), gaps))
         assert len(refs[-1][0]) == NEW_TOKENS
     del hf

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -30,8 +31,20 @@ inline __m256 widen_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-inline __m256 widen(const uint16_t* p) { return widen_bf16(p); }
-inline __m256 widen(const int8_t* p) { return widen_i8(p); }
+// 16 weights as two fp32 vectors. bf16: one 32-byte load, each half-word moved to the top of a
+// 32-bit lane by interleaving with zeros (two instructions for 16 weights); unpack works within
+// 128-bit lanes, so the vectors hold weights [0-3, 8-11] and [4-7, 12-15], and x is laid out in
+// that order once per call (permute_x_for_bf16). int8: sign-extended and converted, in order.
+inline void widen16(const uint16_t* p, __m256& w0, __m256& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_setzero_si256();
+  w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+  w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+}
+inline void widen16(const int8_t* p, __m256& w0, __m256& w1) {
+  w0 = widen_i8(p);
+  w1 = widen_i8(p + 8);
+}
 inline float scalar(uint16_t h);
 inline float scalar(int8_t v) { return static_cast<float>(v); }
 
@@ -65,10 +78,9 @@ void block(const float* x, const W* w, const float* scale, const float* bias, fl
       for (int r = 0; r < R; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K16; k += 16) {
       for (int j = 0; j < NR; ++j) {
-        const W* wr = w + (n + j) * K;
-        __m256 w0 = widen(wr + k);
+        __m256 w0, w1;
+        widen16(w + (n + j) * K + k, w0, w1);
         for (int r = 0; r < R; ++r) a0[j][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a0[j][r]);
-        __m256 w1 = widen(wr + k + 8);
         for (int r = 0; r < R; ++r) a1[j][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), a1[j][r]);
       }
     }
@@ -93,6 +105,17 @@ template <typename W>
 constexpr BlockFn<W> kBlocks[kMaxRows + 1] = {nullptr,          block<W, 1, 1>, block<W, 2, 2>, block<W, 3, 2>,
                                               block<W, 4, 1>, block<W, 5, 1>, block<W, 6, 1>, block<W, 7, 1>};
 
+// x [M, K] in fp32, each 16-wide chunk reordered to [0-3, 8-11, 4-7, 12-15] as widen16 reads bf16.
+at::Tensor permute_x_for_bf16(const at::Tensor& xf) {
+  const int64_t M = xf.size(0), K = xf.size(1), K16 = K - K % 16;
+  at::Tensor out = xf.clone();
+  if (K16) {
+    out.narrow(1, 0, K16).copy_(
+        xf.narrow(1, 0, K16).reshape({M, K16 / 16, 2, 2, 4}).transpose(2, 3).reshape({M, K16}));
+  }
+  return out;
+}
+
 template <typename W>
 at::Tensor linear(const at::Tensor& x, const W* wp, int64_t N, int64_t K, const float* scale,
                   const c10::optional<at::Tensor>& bias) {
@@ -100,6 +123,7 @@ at::Tensor linear(const at::Tensor& x, const W* wp, int64_t N, int64_t K, const 
   auto lead = x.sizes().vec();
   lead.pop_back();
   at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  if constexpr (std::is_same_v<W, uint16_t>) xf = permute_x_for_bf16(xf);
   const int64_t M = xf.size(0);
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
