@@ -66,7 +66,7 @@ class PairBenchConfig:
     default_k: int = 3
     max_tokens: int = 96
     temperatures: tuple[float, ...] = (0.0, 0.8)
-    prompts_per_category: int = 2
+    prompts_per_category: int = 1
     repeats: int = 1
     include_hf: bool = True
     include_llama_cpp: bool = True
@@ -243,6 +243,16 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
     llama = _llama_setup(cfg)
     print(llama.note or f"llama.cpp: {llama.binary}", flush=True)
 
+    bw = measure_read_bandwidth()  # measured in this run, on the threads the engine decodes with
+    bound = {
+        "bandwidth_gb_s": bw.best_gb_s,
+        "bandwidth_median_gb_s": bw.median_gb_s,
+        "specd_bf16_bytes_per_token": safetensors_bytes_per_token(cfg.target, torch.finfo(DTYPES[cfg.dtype]).bits // 8),
+    }
+    bound["specd_bf16_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / bound["specd_bf16_bytes_per_token"], 2)
+    if cfg.target_gguf:
+        bound["q4_k_m_bytes_per_token"] = gguf_bytes_per_token(cfg.target_gguf)
+        bound["q4_k_m_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / bound["q4_k_m_bytes_per_token"], 2)
     warm = prompt_sets["code"][0]
     for method in ("none", "draft", "ngram"):
         for t in cfg.temperatures:
@@ -261,59 +271,78 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
             runs[key] = Run(system, mode, category, t, k)
         return runs[key]
 
-    for rep in range(cfg.repeats):
-        for category, prompts in prompt_sets.items():
-            for t in cfg.temperatures:
-                for mode, method, k in specd_modes:
-                    run_specd(engine, prompts, method, k, cfg, get("specd", mode, category, t, k))
-                for dtype, model in hf.items():
-                    run_hf(model, None, prompts, cfg, get("transformers", "generate bf16", category, t))
-                    run_hf(model, hf_draft[dtype], prompts, cfg, get("transformers", "assisted bf16", category, t))
-                if hf and category == "code" and t == 0.0:
-                    # fp32 on the workload the goals are judged on only (and loaded only for it: ~8 GB)
-                    from transformers import AutoModelForCausalLM
+    # The goals are judged on code prompts, greedy: that group runs first, with --repeats passes of
+    # every mode (interleaved), and settles which draft length llama.cpp gets elsewhere; the other
+    # groups run one pass (this machine needs ~10 min per group).
+    groups = [(c, t) for c in prompt_sets for t in cfg.temperatures]
+    groups.sort(key=lambda g: g != ("code", 0.0))
+    out = Path(cfg.out_dir)
+    for category, t in groups:
+        prompts = prompt_sets[category]
+        goal = (category, t) == ("code", 0.0)
+        passes = cfg.repeats if goal else 1
+        for rep in range(passes):
+            for mode, method, k in specd_modes:
+                run_specd(engine, prompts, method, k, cfg, get("specd", mode, category, t, k))
+            for dtype, model in hf.items():
+                run_hf(model, None, prompts, cfg, get("transformers", "generate bf16", category, t))
+                run_hf(model, hf_draft[dtype], prompts, cfg, get("transformers", "assisted bf16", category, t))
+            if hf and goal:
+                # fp32 on the workload the goals are judged on only (and loaded only for it: ~8 GB)
+                from transformers import AutoModelForCausalLM
 
-                    t32 = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval()
-                    d32 = AutoModelForCausalLM.from_pretrained(cfg.draft, dtype=torch.float32).eval()
-                    run_hf(t32, None, prompts, cfg, get("transformers", "generate fp32", category, t))
-                    run_hf(t32, d32, prompts, cfg, get("transformers", "assisted fp32", category, t))
-                    del t32, d32
-                    gc.collect()
-                if llama.binary is not None:
-                    from benchmarks.llama_cpp import LlamaServer, ServerConfig
+                t32 = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval()
+                d32 = AutoModelForCausalLM.from_pretrained(cfg.draft, dtype=torch.float32).eval()
+                run_hf(t32, None, prompts, cfg, get("transformers", "generate fp32", category, t))
+                run_hf(t32, d32, prompts, cfg, get("transformers", "assisted fp32", category, t))
+                del t32, d32
+                gc.collect()
+            if llama.binary is not None:
+                from benchmarks.llama_cpp import LlamaServer, ServerConfig
 
-                    for name, (model_file, draft_file, n_max) in llama.configs.items():
-                        sc = ServerConfig(model_file, draft_file, threads=cfg.llama_threads, draft_max=max(n_max, 1))
-                        with LlamaServer(sc, llama.binary) as srv:
-                            run_llama(srv, prompts[:1], cfg, Run("warm", "", "", t))  # first request pays set-up
-                            run_llama(srv, prompts, cfg, get("llama.cpp", name, category, t, n_max))
-                print(f"pass {rep + 1}/{cfg.repeats}: {category} T={t} done", flush=True)
-                if rep == cfg.repeats - 1:
-                    for r in runs.values():
-                        if r.category == category and r.temperature == t:
-                            print("  " + _line(r, runs), flush=True)
+                for name, (model_file, draft_file, n_max) in llama.configs.items():
+                    sc = ServerConfig(model_file, draft_file, threads=cfg.llama_threads, draft_max=max(n_max, 1))
+                    with LlamaServer(sc, llama.binary) as srv:
+                        run_llama(srv, prompts[:1], cfg, Run("warm", "", "", t))  # first request pays set-up
+                        run_llama(srv, prompts, cfg, get("llama.cpp", name, category, t, n_max))
+            print(f"pass {rep + 1}/{passes}: {category} T={t} done", flush=True)
+        for r in runs.values():
+            if r.category == category and r.temperature == t:
+                print("  " + _line(r, runs), flush=True)
+        if goal and llama.binary is not None:
+            llama.configs = _keep_best_llama_draft(llama.configs, runs)
+        # Partial results after every group, so an interrupted run still leaves what it measured.
+        _write(cfg, runs, bound, llama.note, out)
     del hf, hf_draft
     gc.collect()
+    doc = _write(cfg, runs, bound, llama.note, out)
+    print(json.dumps(doc["goals"], indent=2))
+    return doc
 
-    bw = measure_read_bandwidth()
-    bound = {
-        "bandwidth_gb_s": bw.best_gb_s,
-        "bandwidth_median_gb_s": bw.median_gb_s,
-        "specd_bf16_bytes_per_token": safetensors_bytes_per_token(cfg.target, torch.finfo(DTYPES[cfg.dtype]).bits // 8),
-    }
-    bound["specd_bf16_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / bound["specd_bf16_bytes_per_token"], 2)
-    if cfg.target_gguf:
-        bound["q4_k_m_bytes_per_token"] = gguf_bytes_per_token(cfg.target_gguf)
-        bound["q4_k_m_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / bound["q4_k_m_bytes_per_token"], 2)
-    doc = _document(cfg, runs, bound, llama.note)
-    out = Path(cfg.out_dir)
+
+def _write(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str, out: Path) -> dict:
+    doc = _document(cfg, runs, bound, llama_note)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"pair_bench_{cfg.pair}" + ("_quick" if cfg.quick else "")
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     _plot(doc, out / f"{stem}.png")
-    print(json.dumps(doc["goals"], indent=2))
-    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}", flush=True)
     return doc
+
+
+def _keep_best_llama_draft(configs: dict, runs: dict) -> dict:
+    """After the goal group: per GGUF, llama.cpp's target alone and its fastest draft length only."""
+    kept = {}
+    for name, conf in configs.items():
+        base = name.split("+")[0]
+        if name == base:
+            kept[name] = conf
+            continue
+        rivals = [n for n in configs if n.startswith(base + "+")]
+        best = max(rivals, key=lambda n: runs[("llama.cpp", n, "code", 0.0)].tokens_per_second)
+        if name == best:
+            kept[name] = conf
+    return kept
 
 
 def _base(r: Run, runs: dict) -> Run | None:

@@ -16,6 +16,8 @@ pip install "grpcio-tools>=1.60"
 extra=""
 [ "${1:-}" = "dev" ] && extra="[dev]"
 pip install -e ".${extra}"
+# Build the AVX2 linear kernels now rather than at the first model load (a no-op where they do not apply).
+.venv/bin/python -c "from services.engine.kernels import ensure_built; ensure_built()"
 # dev: the Prometheus server that tests/deploy/test_prometheus_dashboard.py runs (Debian's package;
 # warns instead of failing where apt-get or root is missing, and that test then fails with the advice).
 if [ "${1:-}" = "dev" ]; then

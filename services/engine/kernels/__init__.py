@@ -50,18 +50,18 @@ def _build_dir() -> Path:
 
 def bf16_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
     """The compiled ``specd_kernels::bf16_linear(x, weight, bias)`` op, or None where it does not apply."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not _load():
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not ensure_built():
         return None
     return torch.ops.specd_kernels.bf16_linear
 
 
 def int8_linear() -> Callable[..., torch.Tensor] | None:
     """The compiled ``specd_kernels::int8_linear(x, weight, scale, bias)`` op, or None where it does not apply."""
-    return torch.ops.specd_kernels.int8_linear if _load() else None
+    return torch.ops.specd_kernels.int8_linear if ensure_built() else None
 
 
 @functools.cache
-def _load() -> bool:
+def ensure_built() -> bool:
     if not _cpu_has_avx2_fma():
         return False
     build = _build_dir()
