@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from services.common.process import die_with_parent
+
 
 def cache_root() -> Path:
     """Where ``scripts/build_llama_cpp.sh`` puts llama.cpp: ``$SPECD_CACHE/llama.cpp``."""
@@ -163,6 +165,7 @@ class LlamaServer:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # a benchmark killed outright leaves no server behind
             )
         try:
             self._wait_healthy()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -218,6 +219,8 @@ def _llama_setup(cfg: PairBenchConfig) -> LlamaSetup:
 
 def run_pair_bench(cfg: PairBenchConfig) -> dict:
     """Run everything, print each group's rows, write JSON and a PNG; returns the JSON document."""
+    # SIGTERM unwinds like Ctrl-C, so every llama-server this run started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     torch.manual_seed(cfg.seed)
     engine = build_engine(
         ModelSpec(
