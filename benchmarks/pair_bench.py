@@ -487,3 +487,23 @@ def _plot(doc: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def markdown(doc: dict) -> str:
+    """The README tables: every row of every group, then the goals (``python -m benchmarks.pair_bench FILE``)."""
+    lines = []
+    groups = sorted({(r["category"], r["temperature"]) for r in doc["rows"]}, key=lambda g: (g != ("code", 0.0), g))
+    for category, t in groups:
+        lines += [f"\n{category} prompts, T = {t}:\n", "| system | mode | tok/s | x own target-only | acceptance |"]
+        lines.append("|---|---|---|---|---|")
+        for r in doc["rows"]:
+            if (r["category"], r["temperature"]) != (category, t):
+                continue
+            acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r and r["k"] else ""
+            x = f"{r['speedup_vs_own_target_only']:.2f}" if r.get("speedup_vs_own_target_only") else ""
+            lines.append(f"| {r['system']} | {r['mode']} | {r['tokens_per_second']:.2f} | {x} | {acc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
