@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import engine_bench
 from benchmarks.bandwidth import gguf_bytes_per_token, measure_read_bandwidth, safetensors_bytes_per_token
 from benchmarks.engine_bench import CODE_PROMPTS, alpha_hat
 from services.engine.builder import DTYPES, ModelSpec, build_engine
@@ -145,25 +146,9 @@ def run_specd(engine: Engine, prompts, method: str, k: int, cfg: PairBenchConfig
 
 
 def run_hf(hf_target, hf_draft, prompts, cfg: PairBenchConfig, run: Run) -> None:
-    """transformers ``generate()``, with ``assistant_model`` when ``hf_draft`` is given."""
-    from transformers import GenerationConfig
-
-    t = run.temperature
-    sampling = dict(do_sample=True, temperature=t, top_k=0, top_p=1.0) if t > 0 else {"do_sample": False}
-    gen = GenerationConfig(
-        max_new_tokens=cfg.max_tokens, min_new_tokens=cfg.max_tokens, pad_token_id=0, eos_token_id=None, **sampling
-    )
-    kw: dict = {"generation_config": gen}
-    if hf_draft is not None:
-        kw["assistant_model"] = hf_draft
-    for i, ids in enumerate(prompts):
-        torch.manual_seed(cfg.seed + i)
-        x = torch.tensor([ids])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = hf_target.generate(x, attention_mask=torch.ones_like(x), **kw)
-        run.seconds += time.perf_counter() - t0
-        run.tokens += out.shape[1] - len(ids)
+    """transformers ``generate()``, with ``assistant_model`` when ``hf_draft`` is given (the engine
+    benchmark's runner: it reads ``max_tokens`` and ``seed`` from the config, adds into ``run``)."""
+    engine_bench.run_hf(hf_target, hf_draft, prompts, run.temperature, cfg, run)
 
 
 def run_llama(server, prompts, cfg: PairBenchConfig, run: Run) -> None:
