@@ -146,13 +146,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         pair = get_pair(args.pair)
         ggufs = [gguf_path(m.source) for m in (pair.target, pair.draft) if m.source is not None]
+        # llama.cpp runs on the original quantized files only when both are in the cache
+        both = len(ggufs) == 2 and all(p.is_file() for p in ggufs)
+        target_gguf, draft_gguf = (str(ggufs[0]), str(ggufs[1])) if both else (None, None)
         run_pair_bench(
             PairBenchConfig(
                 pair=args.pair,
                 target=args.target,
                 draft=args.draft,
-                target_gguf=str(ggufs[0]) if len(ggufs) == 2 and all(p.is_file() for p in ggufs) else None,
-                draft_gguf=str(ggufs[1]) if len(ggufs) == 2 and all(p.is_file() for p in ggufs) else None,
+                target_gguf=target_gguf,
+                draft_gguf=draft_gguf,
                 dtype=args.dtype,
                 draft_quantize=_quantize(args.draft_quantize),
                 ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5, 6),
