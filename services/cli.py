@@ -21,10 +21,20 @@ def _add_pair_arg(p: argparse.ArgumentParser) -> None:
 def _add_draft_quantize_arg(p: argparse.ArgumentParser, flag: str = "--draft-quantize") -> None:
     p.add_argument(
         flag,
-        choices=["auto", "none", "int8"],
+        choices=["auto", "none", "int8", "int4"],
         default="auto",
         help="quantize the draft's weights at load: fewer bytes per draft step, the same output "
         "(auto: int8 on CPUs with AVX2, else none)",
+    )
+
+
+def _add_target_quantize_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantize",
+        choices=["none", "int8", "int4"],
+        default="none",
+        help="serve the target quantized at load (weight-only; int4: groups of 32 with scale and min, "
+        "int8 head): a different, smaller model, whose output speculation keeps exactly",
     )
 
 
@@ -45,6 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--backend", choices=["auto", "own", "transformers"], default="auto")
     _add_draft_quantize_arg(p)
+    _add_target_quantize_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         draft_quantize=_quantize(args.draft_quantize),
+        target_quantize=_quantize(args.quantize),
     )
     engine = build_engine(spec, EngineConfig(max_batch_size=1))
     tok = engine.tokenizer
@@ -242,6 +254,7 @@ def cmd_target(args: argparse.Namespace) -> int:
         default_num_tokens=args.num_speculative_tokens,
         draft_round_timeout=args.draft_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantize=_quantize(args.quantize),
     )
     serve(cfg)
     return 0
@@ -283,6 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             draft_dtype=args.draft_dtype,
             draft_threads=args.draft_threads,
             draft_quantize=_quantize(args.draft_quantize),
+            quantize=_quantize(args.quantize),
             device=args.device,
             api_key=args.api_key,
             num_speculative_tokens=args.num_speculative_tokens,
@@ -439,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="shard the target over N processes (one per GPU: cuda:0..N-1 of CUDA_VISIBLE_DEVICES; gloo on CPU)",
     )
+    _add_target_quantize_arg(t)
     t.set_defaults(func=cmd_target, model_default=str(DEMO_TARGET))
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -464,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: --dtype")
     s.add_argument("--draft-threads", type=int, default=None, help="draft torch threads (default: 1 on CPU)")
     _add_draft_quantize_arg(s)
+    _add_target_quantize_arg(s)
     s.add_argument("--device", default="cpu")
     s.add_argument("--api-key", default=None)
     s.add_argument("--num-speculative-tokens", type=int, default=3)

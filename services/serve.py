@@ -35,6 +35,7 @@ class ServeConfig:
     draft_dtype: str | None = None  # default: dtype
     draft_threads: int | None = None  # default: 1 on CPU (see _commands), torch's default elsewhere
     draft_quantize: str | None = None
+    quantize: str | None = None  # the target's: "int8" | "int4"
     device: str = "cpu"
     api_key: str | None = None
     num_speculative_tokens: int = 3
@@ -64,6 +65,8 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
         cmds.append(("draft", draft))
     target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port, cfg.dtype)
     target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
+    if cfg.quantize:
+        target += ["--quantize", cfg.quantize]
     if cfg.draft:
         target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
     cmds.append(("target", target))

@@ -19,5 +19,7 @@ class ServiceConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients see: --served-model-name, else the model directory's name."""
-        return self.served_model_name or self.model.rstrip("/").split("/")[-1]
+        """The name clients see: --served-model-name, else the model directory's name (or the
+        .gguf file's, less the suffix)."""
+        name = self.model.rstrip("/").split("/")[-1]
+        return self.served_model_name or (name[: -len(".gguf")] if name.lower().endswith(".gguf") else name)

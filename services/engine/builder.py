@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,19 +30,26 @@ class ModelSpec:
     # "int8": the draft's weights quantized at load (half the bytes per draft step). Exactness depends
     # only on the target, so any draft keeps the output unchanged; only acceptance can move.
     draft_quantize: str | None = None
+    # "int8" | "int4": the target's own weights quantized at load, the user's choice of model: the
+    # output is then exactly that quantized target's (speculation changes nothing), not the bf16 one's.
+    target_quantize: str | None = None
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from services.model_store.gguf_import import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 def _same_tokenizer_file(target: str, draft: str) -> bool:
     """Both local folders hold byte-identical tokenizer.json files (then the vocabularies agree)."""
     from pathlib import Path
 
-    a, b = Path(target) / "tokenizer.json", Path(draft) / "tokenizer.json"
+    from services.model_store.gguf_import import resolve_model_path
+
+    a, b = Path(resolve_model_path(target)) / "tokenizer.json", Path(resolve_model_path(draft)) / "tokenizer.json"
     try:
         return a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
     except OSError:
@@ -59,15 +67,21 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
 def load_target(spec: ModelSpec) -> CausalLM:
     """The target model: in this process, or sharded over ``spec.tensor_parallel_size`` processes
     (this one is rank 0 and drives the others)."""
+    from services.model_store.gguf_import import resolve_model_path
+
     if spec.tensor_parallel_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {spec.tensor_parallel_size}")
+    spec = dataclasses.replace(spec, target=resolve_model_path(spec.target))
     if spec.tensor_parallel_size > 1:
         from services.engine.tensor_parallel import start_tensor_parallel
+
+        if spec.target_quantize:
+            raise ValueError("a quantized target cannot be sharded yet (--quantize with --tensor-parallel-size)")
 
         return start_tensor_parallel(
             spec.target, spec.target_dtype, spec.tensor_parallel_size, spec.device, spec.backend
         )
-    return load_model(spec.target, DTYPES[spec.target_dtype], spec.device, spec.backend)
+    return load_model(spec.target, DTYPES[spec.target_dtype], spec.device, spec.backend, quantize=spec.target_quantize)
 
 
 def build_engine(spec: ModelSpec, config: EngineConfig = EngineConfig()) -> Engine:

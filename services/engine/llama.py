@@ -55,7 +55,8 @@ def onednn_bf16_prepack_supported() -> bool:
     return True
 
 
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("int8", "int4")
+INT4_GROUP = 32  # weights per (scale, min) pair; the kernel's layout depends on it
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,32 +72,68 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor]:
+    """Asymmetric weight-only int4 in groups of :data:`INT4_GROUP` along a row, as the int4 kernel
+    reads it: one uint8 record per row, [N, K / 2 + K / 8]: the K / 2 bytes of nibbles, then the
+    groups' fp16 scales, then their fp16 mins. Weight ``i`` of a group is ``nibble * scale + min``;
+    byte ``j`` of a group's 16 holds weight ``j`` in its low nibble and weight ``j + 16`` in its high one."""
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs a multiple of {INT4_GROUP} input features, got {k}")
+    g = k // INT4_GROUP
+    packed = torch.empty(n, k // 2 + 4 * g, dtype=torch.uint8)
+    for r0 in range(0, n, 2048):
+        w = weight[r0 : r0 + 2048].float().view(-1, g, INT4_GROUP)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)
+        # Rounded to fp16 first, so the nibbles are chosen against the scale the kernel will use.
+        s = ((hi - lo) / 15).clamp_min_(2**-24).half()
+        m = lo.half()
+        nib = (w - m.float()[..., None]).div_(s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        rows = packed[r0 : r0 + 2048]
+        rows[:, : k // 2] = (nib[..., :16] | (nib[..., 16:] << 4)).view(-1, k // 2)
+        rows[:, k // 2 :] = torch.cat([s, m], dim=1).view(torch.uint8)
+    return (packed,)
+
+
+def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights an int4 layer stands for (for tests and quality checks)."""
+    n, k = packed.shape[0], packed.shape[1] * 8 // 5
+    g = k // INT4_GROUP
+    b = packed[:, : k // 2].reshape(n, g, INT4_GROUP // 2)
+    nib = torch.cat([b & 15, b >> 4], dim=2).float()
+    sm = packed[:, k // 2 :].contiguous().view(torch.float16).float()
+    return (nib * sm[:, :g, None] + sm[:, g:, None]).reshape(n, k)
+
+
 class Linear:
     """y = x W^T (+ b): through oneDNN with a weight packed once at load time (``prepack``), through
-    our AVX2 bf16 kernel (``kernel``, :mod:`services.engine.kernels`), through the int8 kernel with
-    the weight quantized at load (``quantize="int8"``), or through ``F.linear``."""
+    our AVX2 bf16 kernel (``kernel``, :mod:`services.engine.kernels`), through the int8 or int4
+    kernel with the weight quantized at load (``quantize="int8"`` / ``"int4"``), or through ``F.linear``."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, kernel=None, quantize: str | None = None
     ) -> None:
         self.bias = bias
-        self.scale: torch.Tensor | None = None
+        self.scales: tuple[torch.Tensor, ...] = ()  # int8: (scale,); int4: (scale, min)
         self.prepacked = prepack and quantize is None
         self.kernel = None if self.prepacked else kernel
-        if quantize == "int8":
-            from services.engine.kernels import int8_linear
+        if quantize == "int4" and weight.shape[1] % INT4_GROUP:
+            quantize = "int8"  # int4 groups need a multiple of 32 input features; only tiny models lack it
+        if quantize is not None:
+            from services.engine import kernels
 
-            self.kernel = int8_linear()
+            self.kernel = kernels.int8_linear() if quantize == "int8" else kernels.int4_linear()
             if self.kernel is None:
-                raise ValueError("int8 weights need the AVX2 kernels, which are unavailable on this machine")
-            weight, self.scale = quantize_int8(weight)
+                raise ValueError(f"{quantize} weights need the AVX2 kernels, which are unavailable on this machine")
+            weight, *scales = quantize_int8(weight) if quantize == "int8" else quantize_int4(weight)
+            self.scales = tuple(scales)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        if self.scale is not None:
-            return self.kernel(x, self.weight, self.scale, self.bias)
+        if self.scales:
+            return self.kernel(x, self.weight, *self.scales, self.bias)
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -204,7 +241,12 @@ class LlamaLM:
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-        self.lm_head = Linear(head.to(device=self.device, dtype=dtype).contiguous(), None, prepack, kernel, quantize)
+        # Under int4 the head stays int8 (as llama.cpp's Q4_K_M keeps it at 6 bits): it decides every
+        # token, and is an eighth of the weights.
+        head_quantize = "int8" if quantize == "int4" else quantize
+        self.lm_head = Linear(
+            head.to(device=self.device, dtype=dtype).contiguous(), None, prepack, kernel, head_quantize
+        )
         self.layers: list[_Layer] = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."

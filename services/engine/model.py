@@ -207,8 +207,12 @@ def load_model(
     quantize: str | None = None,
 ) -> CausalLM:
     """Load an HF causal LM by local path or hub id. ``backend``: "auto", "own" or "transformers".
-    ``quantize``: None, "int8" (weight-only, the own forward on CPU; for drafts, which may be
-    anything without changing what the target emits), or "auto" (:func:`default_draft_quantize`)."""
+    ``quantize``: None, "int8" or "int4" (weight-only, the own forward on CPU, see
+    :func:`services.engine.llama.quantize_int4`), or "auto" (:func:`default_draft_quantize`, for
+    drafts, which may be anything without changing what the target emits)."""
+    from services.model_store.gguf_import import resolve_model_path
+
+    name_or_path = resolve_model_path(name_or_path)  # a .gguf file: its converted folder
     auto = quantize == "auto"
     quantize = default_draft_quantize(device) if auto else quantize
     if backend != "transformers":

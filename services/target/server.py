@@ -37,6 +37,7 @@ class TargetServerConfig(ServiceConfig):
     default_num_tokens: int = 3  # best measured k for the demo pair (README, engine benchmark)
     draft_round_timeout: float = 2.0
     tensor_parallel_size: int = 1  # shard the target over this many processes (services/engine/tensor_parallel.py)
+    quantize: str | None = None  # "int8" | "int4": serve the target quantized at load
 
     @property
     def method(self) -> str:
@@ -232,6 +233,7 @@ def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tup
         device=cfg.device,
         backend=cfg.backend,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        target_quantize=cfg.quantize,
     )
     target = load_target(spec)
     drafter = None

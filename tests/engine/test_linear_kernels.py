@@ -113,3 +113,45 @@ def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
             assert accepted > 0
             if params is greedy:  # sampled: same law, not the same draws (the sampling-law tests cover it)
                 assert [got[f"d{k}{i}"].token_ids for i in range(3)] == [ref[f"n{i}"].token_ids for i in range(3)]
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the int4 kernel multiplies by: each row in groups of 32, rounded to int8 steps of max|x| / 127."""
+    g = x.float().view(x.shape[0], -1, 32)
+    amax = g.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return ((g * inv).round().clamp(-127, 127) * (amax / 127)).view(x.shape)
+
+
+def test_int4_matches_its_dequantized_weights_and_is_batch_invariant() -> None:
+    from services.engine.kernels import int4_linear
+    from services.engine.llama import dequantize_int4, quantize_int4
+
+    op = int4_linear()
+    assert op is not None
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(150, 160, generator=g).bfloat16()  # 160 = 5 groups: the min term's scalar tail runs
+    b = torch.randn(150, generator=g).bfloat16()
+    x = torch.randn(20, 160, generator=g).float()
+    (packed,) = quantize_int4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (150, 80 + 20)
+    deq = dequantize_int4(packed)
+    groups = w.float().view(150, 5, 32)
+    step = (groups.amax(dim=2) - groups.amin(dim=2)) / 15
+    # Each weight within half a quantization step (plus fp16 rounding of scale and min) of its value.
+    assert ((deq - w.float()).view(150, 5, 32).abs() <= step[..., None] * 0.51 + 2e-3).all()
+    got = op(x, packed, b)
+    want = F.linear(_quantized_activations(x).double(), deq.double(), b.double())
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for m in (1, 3, 8, 9, 13):
+        assert torch.equal(op(x[:m], packed, b), got[:m])
+    shuffled = torch.randperm(20, generator=g)
+    assert torch.equal(op(x[shuffled], packed, b), got[shuffled])
+    assert torch.equal(op(x.view(4, 5, 160), packed, None).view(20, 150), op(x, packed, None))
+
+
+def test_int4_rejects_a_width_that_is_not_whole_groups() -> None:
+    from services.engine.llama import quantize_int4
+
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.randn(8, 48))

@@ -38,7 +38,7 @@ def _cpu_has_avx2_fma() -> bool:
     except OSError:
         return False
     words = set(flags.split())
-    return {"avx2", "fma"} <= words
+    return {"avx2", "fma", "f16c"} <= words
 
 
 def _build_dir() -> Path:
@@ -77,7 +77,7 @@ def ensure_built() -> bool:
             cpp_extension.load(
                 name="specd_kernels",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
                 is_python_module=False,
@@ -89,3 +89,8 @@ def ensure_built() -> bool:
     except Exception as exc:  # a missing compiler, say: fall back, loudly
         warnings.warn(f"specd: the AVX2 kernels are unavailable ({exc}); using torch's matmul", stacklevel=2)
         return False
+
+
+def int4_linear() -> Callable[..., torch.Tensor] | None:
+    """The compiled ``specd_kernels::int4_linear(x, packed, bias)`` op, or None where it does not apply."""
+    return torch.ops.specd_kernels.int4_linear if ensure_built() else None
