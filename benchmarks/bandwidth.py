@@ -60,6 +60,22 @@ def safetensors_bytes_per_token(folder: str | Path, bytes_per_param: int = 2) ->
     return total
 
 
+def model_bytes_per_token(model) -> int:
+    """Weight bytes one decode step of a loaded :class:`~services.engine.llama.LlamaLM` reads, in the
+    layouts it runs (quantized weights with their scales): every linear layer and the output head,
+    and one embedding row."""
+
+    def linear_bytes(lin) -> int:
+        lin = getattr(lin, "linear", lin)  # a row-parallel wrapper
+        tensors = [lin.weight, *lin.scales, *([lin.bias] if lin.bias is not None else [])]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    total = linear_bytes(model.lm_head) + model.embed.shape[1] * model.embed.element_size()
+    for layer in model.layers:
+        total += sum(linear_bytes(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    return total
+
+
 def gguf_bytes_per_token(path: str | Path) -> int:
     """Weight bytes one decode step reads from a GGUF file, in its own (quantized) encoding: every
     tensor except the embedding, of which one row."""

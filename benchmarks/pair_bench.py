@@ -12,6 +12,10 @@ Systems, each on the same prompts (the same token ids), one request at a time, e
   to f16 GGUF and on the original Q4_K_M files; skipped with a note when it is not built
   (``scripts/build_llama_cpp.sh``);
 - **the physical limit**: weight bytes read per token over the read bandwidth measured in this run.
+- **quantized** (on the greedy code prompts, where the goals are judged): the bf16 target with a
+  bf16 and an int4 draft beside the default int8 one; int8 and int4 targets (``--quantize``) alone
+  and with int8 and int4 drafts at a few k, each with its own bandwidth bound, and how often its
+  greedy text is the bf16 target's.
 
 Modes run interleaved, one group (prompt set, temperature) at a time, and ``--repeats`` passes,
 so this machine's slow drifts spread over all of them. tokens/s is wall time from submission to the
@@ -73,6 +77,9 @@ class PairBenchConfig:
     include_hf: bool = True
     include_llama_cpp: bool = True
     llama_threads: int = 2
+    quantized_targets: tuple[str, ...] = ("int8", "int4")  # () skips the quantized modes
+    quantized_drafts: tuple[str, ...] = ("int8", "int4")
+    quantized_ks: tuple[int, ...] = (2, 3, 4)
     out_dir: str = "benchmarks/results"
     quick: bool = False
     seed: int = 0
@@ -87,6 +94,7 @@ class Run:
     category: str
     temperature: float
     k: int = 0
+    target: str = "bf16"  # specd: the target's weights, "bf16" | "int8" | "int4"
     tokens: int = 0
     seconds: float = 0.0
     decode_tokens: int = 0  # after each request's first output
@@ -202,6 +210,45 @@ def _llama_setup(cfg: PairBenchConfig) -> LlamaSetup:
     return setup
 
 
+@dataclass
+class QuantizedMode:
+    """A specd mode on an engine of its own (a quantized target, or another draft for the bf16 one)."""
+
+    mode: str
+    engine: Engine
+    method: str
+    k: int
+    target: str
+
+
+def _quantized_modes(cfg: PairBenchConfig, main: Engine) -> tuple[list[QuantizedMode], dict[str, int]]:
+    """The quantized modes, sharing loaded models between engines (each engine has its own KV cache),
+    and the weight bytes per decoded token of each quantized target."""
+    from benchmarks.bandwidth import model_bytes_per_token
+    from services.engine.model import load_model
+
+    if not cfg.quantized_targets:
+        return [], {}
+    dtype = DTYPES[cfg.dtype]
+    ec = EngineConfig(max_batch_size=1, max_model_len=1024)
+    drafts = {q: load_model(cfg.draft, dtype, quantize=q) for q in dict.fromkeys([None, *cfg.quantized_drafts])}
+    modes = []
+    for q in (None, "int4"):  # the bf16 target with other drafts than the default one
+        if q != cfg.draft_quantize and q in drafts:
+            e = Engine(main.target, main.tokenizer, drafts[q], ec)
+            modes.append(QuantizedMode(f"{q or 'bf16'} draft k={cfg.default_k}", e, "draft", cfg.default_k, "bf16"))
+    bytes_per_token = {}
+    for tq in cfg.quantized_targets:
+        target = load_model(cfg.target, dtype, quantize=tq)
+        bytes_per_token[tq] = model_bytes_per_token(target)
+        for i, dq in enumerate(cfg.quantized_drafts):
+            e = Engine(target, main.tokenizer, drafts[dq], ec)
+            if i == 0:
+                modes.append(QuantizedMode(f"{tq} target-only", e, "none", 0, tq))
+            modes += [QuantizedMode(f"{tq} + {dq} draft k={k}", e, "draft", k, tq) for k in cfg.quantized_ks]
+    return modes, bytes_per_token
+
+
 def run_pair_bench(cfg: PairBenchConfig) -> dict:
     """Run everything, print each group's rows, write JSON and a PNG; returns the JSON document."""
     # SIGTERM unwinds like Ctrl-C, so every llama-server this run started is stopped on the way out.
@@ -241,10 +288,16 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
     if cfg.target_gguf:
         bound["q4_k_m_bytes_per_token"] = gguf_bytes_per_token(cfg.target_gguf)
         bound["q4_k_m_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / bound["q4_k_m_bytes_per_token"], 2)
+    quantized, quantized_bytes = _quantized_modes(cfg, engine)
+    for tq, nbytes in quantized_bytes.items():
+        bound[f"specd_{tq}_bytes_per_token"] = nbytes
+        bound[f"specd_{tq}_bound_tokens_per_second"] = round(bw.best_gb_s * 1e9 / nbytes, 2)
     warm = prompt_sets["code"][0]
     for method in ("none", "draft", "ngram"):
         for t in cfg.temperatures:
             engine.generate([Request(f"warm-{method}-{t}", warm, _params(t, 8, 0), SpecConfig(method, cfg.default_k))])
+    for qm in quantized:
+        qm.engine.generate([Request(f"warm-{qm.mode}", warm, _params(0.0, 8, 0), SpecConfig(qm.method, qm.k))])
 
     specd_modes = [("target-only", "none", 0)] + [(f"draft k={k}", "draft", k) for k in cfg.ks]
     specd_modes += [
@@ -253,10 +306,10 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
     ]
     runs: dict[tuple, Run] = {}
 
-    def get(system: str, mode: str, category: str, t: float, k: int = 0) -> Run:
+    def get(system: str, mode: str, category: str, t: float, k: int = 0, target: str = "bf16") -> Run:
         key = (system, mode, category, t)
         if key not in runs:
-            runs[key] = Run(system, mode, category, t, k)
+            runs[key] = Run(system, mode, category, t, k, target)
         return runs[key]
 
     # The goals are judged on code prompts, greedy: that group runs first, with --repeats passes of
@@ -272,6 +325,8 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
         for rep in range(passes):
             for mode, method, k in specd_modes:
                 run_specd(engine, prompts, method, k, cfg, get("specd", mode, category, t, k))
+            for qm in quantized if goal else ():
+                run_specd(qm.engine, prompts, qm.method, qm.k, cfg, get("specd", qm.mode, category, t, qm.k, qm.target))
             for dtype, model in hf.items():
                 run_hf(model, None, prompts, cfg, get("transformers", "generate bf16", category, t))
                 run_hf(model, hf_draft[dtype], prompts, cfg, get("transformers", "assisted bf16", category, t))
@@ -301,7 +356,7 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
             llama.configs = _keep_best_llama_draft(llama.configs, runs)
         # Partial results after every group, so an interrupted run still leaves what it measured.
         _write(cfg, runs, bound, llama.note, out)
-    del hf, hf_draft
+    del hf, hf_draft, quantized
     gc.collect()
     doc = _write(cfg, runs, bound, llama.note, out)
     print(json.dumps(doc["goals"], indent=2))
@@ -349,7 +404,12 @@ def _line(r: Run, runs: dict) -> str:
         extra = f" acc={r.stats.acceptance_rate:.2f} tok/fwd={r.stats.tokens_per_forward:.2f}"
     if r.llama_draft_n:
         extra = f" acc={r.llama_draft_accepted / r.llama_draft_n:.2f}"
-    return f"{r.system:12s} {r.mode:16s} {r.tokens_per_second:7.2f} tok/s (x{x:.2f} own target-only){extra}"
+    base_name = "bf16 target-only" if r.target != "bf16" else "own target-only"
+    return f"{r.system:12s} {r.mode:16s} {r.tokens_per_second:7.2f} tok/s (x{x:.2f} {base_name}){extra}"
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _row(r: Run, runs: dict) -> dict:
@@ -369,12 +429,28 @@ def _row(r: Run, runs: dict) -> dict:
     }
     if r.decode_seconds:
         row["decode_tokens_per_second"] = round(r.decode_tokens_per_second, 2)
-    if r.system == "specd" and r.temperature == 0.0 and base is not None and r is not base:
+    if r.system == "specd" and r.target != "bf16":
+        own = runs.get(("specd", f"{r.target} target-only", r.category, r.temperature))
+        if own is not None and own.tokens_per_second:
+            row["speedup_vs_same_target_only"] = round(r.tokens_per_second / own.tokens_per_second, 3)
+        if r.mode.endswith("target-only") and base is not None and r.temperature == 0.0:
+            # What quantization does to the text: greedy outputs equal to the bf16 target's, and the
+            # mean share of each output before its first difference.
+            row["greedy_identical_to_bf16"] = f"{sum(a == b for a, b in zip(r.outputs, base.outputs))}/{len(r.outputs)}"
+            row["greedy_prefix_agreement_with_bf16"] = round(
+                sum(_prefix(a, b) / max(len(b), 1) for a, b in zip(r.outputs, base.outputs)) / max(len(r.outputs), 1), 3
+            )
+    elif r.system == "specd" and r.temperature == 0.0 and base is not None and r is not base:
         # bf16 greedy: is the text the target-only text? (exact in fp32; in bf16 a near-tie may round
         # differently with k+1 queries than with one, so this is measured, not assumed)
         row["greedy_identical_to_target_only"] = (
             f"{sum(a == b for a, b in zip(r.outputs, base.outputs))}/{len(r.outputs)}"
         )
+    if r.system == "specd" and r.target != "bf16" and not r.mode.endswith("target-only") and r.temperature == 0.0:
+        own = runs.get(("specd", f"{r.target} target-only", r.category, r.temperature))
+        if own is not None:
+            same = sum(a == b for a, b in zip(r.outputs, own.outputs))
+            row["greedy_identical_to_target_only"] = f"{same}/{len(r.outputs)}"
     if r.system == "specd" and r.stats.target_forward_passes:
         row.update(
             acceptance_rate=round(r.stats.acceptance_rate, 4),
@@ -396,7 +472,20 @@ def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) ->
     default_mode = f"{cfg.default_method} k={cfg.default_k}"
     specd_base = tps("specd", "target-only")
     specd_default = tps("specd", default_mode)
-    spec_modes = [m for (s, m, c, t) in runs if s == "specd" and c == "code" and t == 0.0 and m != "target-only"]
+    spec_modes = [
+        m
+        for (s, m, c, t), r in runs.items()
+        if s == "specd" and c == "code" and t == 0.0 and m != "target-only" and r.target == "bf16"
+    ]
+    # The quantization issue's goals: any exact configuration (speculation keeps its own target's
+    # output), against bf16 target-only and llama.cpp's best on the Q4_K_M files.
+    any_modes = [m for (s, m, c, t) in runs if s == "specd" and c == "code" and t == 0.0]
+    best_any = max(any_modes, key=lambda m: tps("specd", m) or 0.0) if any_modes else None
+    llama_q4 = max(
+        (v for (s, m, c, t) in runs if s == "llama.cpp" and c == "code" and t == 0.0 and m.startswith("q4_k_m")
+         for v in [tps(s, m)] if v),
+        default=None,
+    )  # fmt: skip
     best_mode = max(spec_modes, key=lambda m: tps("specd", m) or 0.0) if spec_modes else None
     hf_assisted = [v for v in (tps("transformers", "assisted bf16"), tps("transformers", "assisted fp32")) if v]
     llama_f16_draft = max(
@@ -436,7 +525,24 @@ def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) ->
         ),
         "default_vs_llama_cpp_f16_with_draft": ratio(specd_default, llama_f16_draft),
         "llama_cpp_best": llama_best,
+        "best_specd_any_mode": best_any,
+        "best_specd_any": tps("specd", best_any) if best_any else None,
+        "best_specd_any_vs_bf16_target_only": ratio(tps("specd", best_any) if best_any else None, specd_base),
+        "llama_cpp_q4_k_m_best": llama_q4,
+        "best_specd_any_vs_llama_cpp_q4_k_m_best": ratio(tps("specd", best_any) if best_any else None, llama_q4),
     }
+    draft_speedups = {
+        q: ratio(tps("specd", m), specd_base)
+        for q, m in (
+            ("bf16", f"bf16 draft k={cfg.default_k}"),
+            ("int8", f"int8 draft k={cfg.default_k}"),
+            ("int4", f"int4 draft k={cfg.default_k}"),
+            (cfg.draft_quantize or "bf16", default_mode),
+        )
+        if tps("specd", m)
+    }
+    if draft_speedups:
+        goals["bf16_target_speedup_by_draft_weights"] = draft_speedups
     return {
         "config": asdict(cfg),
         "torch": torch.__version__,

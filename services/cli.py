@@ -178,6 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 quick=args.quick,
                 include_hf=not args.no_hf,
                 include_llama_cpp=not args.no_llama_cpp,
+                quantized_targets=() if args.no_quantized else ("int8", "int4"),
             )
         )
         return 0
@@ -415,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="two prompts, short outputs (smoke test)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     b.add_argument("--no-llama-cpp", action="store_true", help="--pair: skip llama.cpp's llama-server")
+    b.add_argument(
+        "--no-quantized", action="store_true", help="--pair: skip the int8/int4 targets and the other draft weights"
+    )
     b.add_argument(
         "--serve",
         action="store_true",
