@@ -128,8 +128,10 @@ constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 1>, 
 // Weight-only int4, asymmetric, in groups of 32 along a row: w = nibble * scale + min, scale and min
 // in fp16. Each weight row is one contiguous record of K / 2 + 4 * G bytes (G = K / 32 groups):
 // the nibbles, then G scales, then G mins, so decoding reads one sequential stream per row (three
-// separate arrays measured slower: short streams the prefetcher did not follow). A group's 32
-// nibbles are 16 bytes, byte j holding weight j in its low nibble and weight j + 16 in its high one. Widening every weight to fp32 (as bf16 and int8 do)
+// separate arrays measured slower: short streams the prefetcher did not follow). Groups go in
+// pairs: the 32 bytes of groups 2p and 2p + 1 hold group 2p's weights in their low nibbles and group
+// 2p + 1's in their high ones (one load, a mask and a shift give both); an odd last group is 16
+// bytes, byte j holding its weight j in the low nibble and weight j + 16 in the high one. Widening every weight to fp32 (as bf16 and int8 do)
 // made this kernel compute bound at a third of the memory bandwidth, so it works in integers, as
 // llama.cpp does: each input row is quantized once per call to int8 in groups of 32 (scale
 // max|x| / 127), and a group's dot product is one u8 x s8 multiply-add (maddubs, exact: at most
@@ -168,6 +170,8 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+constexpr int64_t kMaxGroups = 2048;  // K up to 65,536 (the widest MLPs of open models are ~53k)
+
 // Input rows [0, R) against weight rows [n0, n1), NR weight rows interleaved (more independent
 // accumulators when R is small); out is fp32 [R, N].
 template <int R, int NR>
@@ -177,24 +181,43 @@ void q4_block(const QuantizedRows& xq, int64_t m0, const uint8_t* w, const float
   const int8_t* xqp = xq.q.data() + m0 * K;
   const float* xs = xq.scale.data() + m0 * G;
   const float* xss = xq.scaled_sum.data() + m0 * G;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
+  // Group g of input row r against weights wv (32 nibbles as bytes) scaled by sw.
+  auto group = [&](__m256& acc, int r, int64_t g, __m256i wv, __m256 sw) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqp + r * K + g * 32));
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw, _mm256_broadcast_ss(xs + r * G + g)), acc);
+  };
+  alignas(32) float scales[NR][kMaxGroups];  // each weight row's scales in fp32, converted once
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     __m256 acc[NR][R];
-    for (int j = 0; j < NR; ++j)
+    for (int j = 0; j < NR; ++j) {
       for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* sh = reinterpret_cast<const uint16_t*>(w + (n + j) * row_bytes + K / 2);
+      int64_t g = 0;
+      for (; g + 8 <= G; g += 8)
+        _mm256_store_ps(scales[j] + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sh + g))));
+      for (; g < G; ++g) scales[j][g] = half_to_float(sh[g]);
+    }
+    for (int64_t g = 0; g + 2 <= G; g += 2) {  // two groups per 32-byte load: low nibbles g, high g + 1
       for (int j = 0; j < NR; ++j) {
-        const uint8_t* row = w + (n + j) * row_bytes;
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-        const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
-        const __m256 swv = _mm256_set1_ps(half_to_float(reinterpret_cast<const uint16_t*>(row + K / 2)[g]));
-        for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqp + r * K + g * 32));
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
-          acc[j][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(swv, _mm256_broadcast_ss(xs + r * G + g)), acc[j][r]);
-        }
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + j) * row_bytes + g * 16));
+        const __m256i wa = _mm256_and_si256(v, low4), wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256 sa = _mm256_broadcast_ss(scales[j] + g), sb = _mm256_broadcast_ss(scales[j] + g + 1);
+        for (int r = 0; r < R; ++r) group(acc[j][r], r, g, wa, sa);
+        for (int r = 0; r < R; ++r) group(acc[j][r], r, g + 1, wb, sb);
+      }
+    }
+    if (G % 2) {  // an odd last group: 16 bytes, low nibbles its first 16 weights, high its last 16
+      const int64_t g = G - 1;
+      for (int j = 0; j < NR; ++j) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + j) * row_bytes + g * 16));
+        const __m128i l4 = _mm256_castsi256_si128(low4);
+        const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), l4), _mm_and_si128(b, l4));
+        const __m256 sw = _mm256_broadcast_ss(scales[j] + g);
+        for (int r = 0; r < R; ++r) group(acc[j][r], r, g, wv, sw);
       }
     }
     for (int j = 0; j < NR; ++j) {
@@ -289,6 +312,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
               "packed must be a contiguous 2-D uint8 tensor");
   const int64_t N = packed.size(0), K = packed.size(1) * 8 / 5;
   TORCH_CHECK(K % 32 == 0 && K / 2 + K / 8 == packed.size(1), "int4 rows must be K / 2 + K / 8 bytes with K % 32 == 0");
+  TORCH_CHECK(K / 32 <= kMaxGroups, "int4 weights support up to ", 32 * kMaxGroups, " input features, got ", K);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   auto lead = x.sizes().vec();
   lead.pop_back();
