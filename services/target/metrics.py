@@ -43,6 +43,11 @@ BATCH_SIZE = Histogram(
     "specd_batch_size", "Sequences verified together in one target pass", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64)
 )
 REQUESTS_RUNNING = Gauge("specd_requests_running", "Requests admitted or queued on this target")
+REQUESTS_REJECTED = Counter(
+    "specd_requests_rejected",
+    "Generate calls refused before admission (queue_full: running and waiting at capacity)",
+    ["reason"],
+)
 DRAFT_FAILURES = Counter(
     "specd_draft_failures",
     "Rounds in which a draft endpoint failed or timed out (decoded without guesses)",
