@@ -89,7 +89,6 @@ def serve_with_main_thread(
         if background is not None:
             holder["background"] = asyncio.create_task(background())
 
-
     def io_thread() -> None:
         asyncio.set_event_loop(loop)
         try:
