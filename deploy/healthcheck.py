@@ -8,7 +8,7 @@
 Exit status 0 when the service says it can take work, 1 otherwise (one line on stderr says why).
 With --tls-cert/--tls-key/--tls-ca the probe speaks mutual TLS (gRPC), or verifies an https://
 gateway against --tls-ca (presenting the certificate if the gateway asks for one). Kubernetes'
-native ``grpc:`` probes cannot speak TLS, so the mutual-TLS overlay (deploy/k8s/mtls) runs this.
+native ``grpc:`` probes cannot speak TLS, so the mutual-TLS overlay (deploy/k8s-mtls) runs this.
 
 - draft, target: calls the service's own ``Health`` RPC (``specd.v1``) and needs ``serving``. The
   services do not register the standard ``grpc.health.v1`` service, so Kubernetes' native ``grpc:``
@@ -38,7 +38,8 @@ def check_grpc(role: str, address: str, tls: tuple[str, str, str] | None = None)
     else:
         cert, key, ca = (open(p, "rb").read() for p in tls)
         creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-        channel = grpc.secure_channel(address, creds)
+        # The name the services' certificates carry (they are dialled by pod or container IP).
+        channel = grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", role)])
     with channel:
         try:
             reply = stub_class(channel).Health(common_pb2.HealthRequest(), timeout=TIMEOUT_S)
