@@ -139,6 +139,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.soak:
+        from benchmarks.soak_bench import SoakConfig, run_soak
+
+        concurrency = int(args.concurrency) if args.concurrency_given else 64
+        return run_soak(
+            SoakConfig(
+                target=args.target,
+                draft=args.draft,
+                dtype=args.dtype,
+                duration=args.duration,
+                warmup=args.warmup,
+                concurrency=concurrency,
+                out_dir=args.out,
+            )
+        )
     if args.pair and args.pair != "demo" and not args.serve:
         from benchmarks.pair_bench import PairBenchConfig, run_pair_bench
         from services.model_store.fetch import gguf_path
@@ -479,7 +494,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="benchmark the whole stack (gateway + target + draft processes) against the in-process engine",
     )
-    b.add_argument("--concurrency", default="1,4,16", help="--serve: concurrent streams to sweep")
+    b.add_argument(
+        "--concurrency", default=None, help="--serve: streams to sweep (default 1,4,16); --soak: clients (default 64)"
+    )
+    b.add_argument(
+        "--soak",
+        action="store_true",
+        help="mixed traffic against specd serve for --duration s: 5xx, lost/hung streams, memory growth, leaks",
+    )
+    b.add_argument("--duration", type=float, default=300.0, help="--soak: seconds of traffic")
+    b.add_argument("--warmup", type=float, default=None, help="--soak: seconds before the memory baseline")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("draft", help="run the gRPC draft service")
@@ -577,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
+        args.concurrency_given = args.concurrency is not None
+        args.concurrency = args.concurrency or "1,4,16"
         args.k_given = args.k is not None
         args.k = args.k or "1,2,3,4,5,6,7,8"
     if getattr(args, "model", "unset") is None:

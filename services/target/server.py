@@ -306,6 +306,7 @@ def serve(cfg: TargetServerConfig) -> None:
     asyncio.run(_check_drafts(draft_endpoints, info, cfg.tls))
     start_metrics_server(cfg.metrics_port)
     metrics.REQUESTS_RUNNING.set(0)
+    metrics.KV_SLOTS_USED.set(0)
     metrics.REQUESTS_REJECTED.labels(reason="queue_full")  # exported as 0 from the start
     servicer = TargetServicer(loop, info, cfg, draft_endpoints)
     try:
