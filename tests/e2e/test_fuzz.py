@@ -25,7 +25,7 @@ from tests.e2e.processes import metric_value
 
 pytestmark = pytest.mark.demo
 
-MAX_EXAMPLES = 30  # per operation; with the examples and coverage phases ~720 requests, ~25 s here
+MAX_EXAMPLES = 20  # per operation; with the examples and coverage phases ~600 requests
 GENERATED_TOKENS = 2
 
 
