@@ -288,8 +288,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         raise ValueError("--ssl-certfile and --ssl-keyfile go together")
     if args.ssl_ca_certs and not args.ssl_certfile:
         raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
-    if args.request_timeout <= 0 or args.max_body_bytes <= 0:
-        raise ValueError("--request-timeout and --max-body-bytes must be positive")
+    if args.request_timeout <= 0 or args.max_body_bytes <= 0 or args.retry_after < 0:
+        raise ValueError("--request-timeout and --max-body-bytes must be positive, --retry-after >= 0")
     run(
         GatewaySettings(
             target_addresses=addresses,
@@ -299,6 +299,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             request_timeout=args.request_timeout,
             max_body_bytes=args.max_body_bytes,
+            retry_after=args.retry_after,
             drain_timeout=args.drain_timeout,
             tls=_tls(args),
             ssl_certfile=args.ssl_certfile,
@@ -552,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout", type=float, default=600.0, help="deadline of one generation on the target (then 504)"
     )
     gw.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    gw.add_argument("--retry-after", type=int, default=1, help="seconds, in the Retry-After of a 429 (targets full)")
     _add_drain_arg(gw)
     _add_tls_args(gw, "targets")
     gw.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (uvicorn's TLS)")
