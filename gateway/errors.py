@@ -18,7 +18,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
-    429: "rate_limit_error",
+    429: "rate_limit_exceeded",
     500: "server_error",
     503: "service_unavailable",
     504: "timeout",
@@ -28,12 +28,20 @@ ERROR_TYPES = {
 class APIError(Exception):
     """An error to return to the client as is."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -47,8 +55,14 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -62,7 +76,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # Pydantic names union members and type wrappers in loc; keep the field path only.
     loc = [x for x in loc if not any(c in x for c in "[]()") and x not in ("str", "list", "int", "float")]
     param = ".".join(loc) or None
-    msg = e.get("msg", "invalid value")
+    msg = e.get("msg", "invalid value").removeprefix("Value error, ")
     if param:
         msg = f"{param}: {msg}"
     return msg, param
@@ -71,7 +85,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -2,7 +2,11 @@
 
 :func:`open_generation` picks a target (least outstanding first), sends the request and waits for
 the target's header message, so every validation error surfaces *before* any HTTP response starts
-(a proper 400, not a broken stream). Unreachable targets are skipped; with none left it is a 503.
+(a proper 400, not a broken stream). Unreachable or draining targets are skipped, and so are full
+ones (RESOURCE_EXHAUSTED, the target's typed "queue full"); with none left it is a 429 with
+Retry-After if any target was full, else a 503.
+
+The call carries a gRPC deadline (``request_timeout``): past it the target frees the request itself.
 """
 
 from __future__ import annotations
@@ -91,13 +95,19 @@ class Generation:
 
 
 async def open_generation(
-    pool: TargetPool, body: ChatCompletionRequest | CompletionRequest, timeout: float
+    pool: TargetPool,
+    body: ChatCompletionRequest | CompletionRequest,
+    timeout: float,
+    request_timeout: float | None = None,
+    retry_after: int = 1,
 ) -> Generation:
+    """``timeout``: seconds for a target to accept; ``request_timeout``: the whole call's deadline."""
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     request_id = uuid.uuid4().hex
     msg = to_generate_request(body, request_id)
+    full = 0
     for target in pool.candidates():
-        call = target.stub.Generate(msg)
+        call = target.stub.Generate(msg, timeout=request_timeout)
         target.outstanding += 1
         header = None
         try:
@@ -105,7 +115,9 @@ async def open_generation(
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise _invalid_argument(e.details() or "invalid request", prompt_param) from None
-            if e.code() not in RETRYABLE:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                full += 1  # healthy, only busy: try the next one
+            elif e.code() not in RETRYABLE:
                 raise APIError(
                     503, "the target service failed to start the generation", code="service_unavailable"
                 ) from None
@@ -120,4 +132,11 @@ async def open_generation(
                 target.outstanding -= 1
         if header is not None and header is not grpc.aio.EOF:
             return Generation(target, call, request_id, header.prompt_tokens)
+    if full:
+        raise APIError(
+            429,
+            "the server is overloaded (every target's queue is full); retry after a moment",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after)},
+        )
     raise APIError(503, "no target service is available; retry later", code="service_unavailable")

@@ -97,10 +97,15 @@ def _finish_reason(reason: str) -> str:
 
 
 def _failure_status(e: grpc.aio.AioRpcError) -> str:
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "504"
     return "503" if e.code() in RETRYABLE else "500"
 
 
 def _failure_body(e: grpc.aio.AioRpcError) -> dict:
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        # The call's own deadline (--request-timeout): the target has freed the request already.
+        return error_body(504, "the generation ran past the gateway's request timeout", None, "timeout")
     if e.code() in RETRYABLE:
         return error_body(
             503,
@@ -158,12 +163,18 @@ async def _stream(
         timer.finish(status)
 
 
+async def _open(pool: TargetPool, body: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings):
+    return await open_generation(
+        pool, body, settings.first_message_timeout, settings.request_timeout, settings.retry_after
+    )
+
+
 async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
     timer = TokenTimer()
     try:
         model = _served_model(request, body.model)
         settings, pool = _state(request)
-        gen = await open_generation(pool, body, settings.first_message_timeout)
+        gen = await _open(pool, body, settings)
     except APIError as e:
         timer.finish(str(e.status))
         raise
@@ -187,7 +198,9 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
                 ids.extend(msg.token_ids)
             break
         except grpc.aio.AioRpcError as e:
-            retry = e.code() in RETRYABLE and attempts < len(pool.targets)
+            # The deadline is the request's own: another target would run past it too.
+            retry = e.code() in RETRYABLE and e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+            retry = retry and attempts < len(pool.targets)
             if not retry:
                 timer.finish(_failure_status(e))
                 return _failure_response(e)
@@ -197,7 +210,7 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
             gen.close()
         attempts += 1
         try:
-            gen = await open_generation(pool, body, settings.first_message_timeout)
+            gen = await _open(pool, body, settings)
         except APIError as e:
             timer.finish(str(e.status))
             raise
@@ -235,6 +248,8 @@ def build_router() -> APIRouter:
     @router.get("/health")
     async def health(request: Request) -> Response:
         pool: TargetPool = request.app.state.pool
+        if request.app.state.drain.draining:  # out of the load balancer before the process goes
+            return JSONResponse({"status": "draining"}, status_code=503)
         await pool.refresh()
         ready = [t for t in pool.targets if t.fully_healthy]
         body = {

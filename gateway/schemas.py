@@ -7,16 +7,53 @@ rather than silently ignored; fields it does not know are ignored, as OpenAI cli
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_SPECULATIVE_TOKENS = 16
+MAX_JSON_DEPTH = 32  # the deepest request nests 5 levels; deeper is an attack, not a request
+# Counts and ids travel as 32-bit integers to the target; larger values are refused here, not
+# overflowed there (a context is far shorter than this anyway, and the target checks the vocabulary).
+MAX_INT32 = 2**31 - 1
+# C0 control characters other than tab, newline and carriage return: no tokenizer input needs them,
+# and NUL in particular truncates text in C-based tooling downstream.
+_CONTROL = frozenset(chr(c) for c in range(32)) - {"\t", "\n", "\r"}
+
+
+def _check_text(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: text holds a lone UTF-16 surrogate (not valid Unicode)") from None
+    if not _CONTROL.isdisjoint(s):
+        c = next(ch for ch in s if ch in _CONTROL)
+        raise ValueError(f"{where}: control character U+{ord(c):04X} is not allowed in text")
+
+
+def check_raw_json(value: Any) -> None:
+    """Refuse what no schema would: nesting past MAX_JSON_DEPTH, lone surrogates and control
+    characters in any string (key or value). Iterative, so a deep document cannot exhaust the stack."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "body")]
+    while stack:
+        v, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"the request nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(v, str):
+            _check_text(v, where)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str):
+                    _check_text(k, where)
+                stack.append((item, depth + 1, k if where == "body" else f"{where}.{k}"))
+        elif isinstance(v, list):
+            stack.extend((item, depth + 1, where) for item in v)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # No NaN or infinity: Python's JSON parser accepts them, no OpenAI parameter means anything by them.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -53,10 +90,10 @@ class _SamplingFields(_Strict):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # extension; 0 or -1 = off (as vLLM)
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None  # extension; 0 or -1 = off (as vLLM)
     n: Annotated[int, Field(ge=1)] = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
@@ -75,6 +112,12 @@ class _SamplingFields(_Strict):
     suffix: str | None = None
     tools: list | None = None
     response_format: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _raw(cls, data: Any) -> Any:
+        check_raw_json(data)
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -118,14 +161,18 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    prompt: (
+        str
+        | Annotated[list[Annotated[int, Field(ge=0, le=MAX_INT32)]], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+    )
 
     @field_validator("prompt")
     @classmethod

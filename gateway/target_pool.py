@@ -15,6 +15,7 @@ import grpc
 
 from services.common.discovery import AddressWatcher
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.tls import TLSConfig, aio_channel
 from specd.v1 import common_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,9 +24,9 @@ log = logging.getLogger(__name__)
 class TargetClient:
     """One target replica."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TLSConfig | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.info: common_pb2.InfoResponse | None = None
         self.healthy = False
@@ -54,11 +55,18 @@ class TargetClient:
 class TargetPool:
     """All target replicas; probes them in the background."""
 
-    def __init__(self, addresses: tuple[str, ...], health_interval: float, discovery_interval: float = 5.0) -> None:
+    def __init__(
+        self,
+        addresses: tuple[str, ...],
+        health_interval: float,
+        discovery_interval: float = 5.0,
+        tls: TLSConfig | None = None,
+    ) -> None:
         if not addresses:
             raise ValueError("at least one target address is needed")
+        self.tls = tls
         self.watcher = AddressWatcher(addresses, self._endpoints_changed, discovery_interval)
-        self.targets = [TargetClient(a) for a in self.watcher.endpoints]
+        self.targets = [TargetClient(a, tls) for a in self.watcher.endpoints]
         self.draining: list[TargetClient] = []  # removed, still finishing requests
         self.health_interval = health_interval
         self._tasks: list[asyncio.Task] = []
@@ -79,7 +87,7 @@ class TargetPool:
     def _endpoints_changed(self, endpoints: tuple[str, ...]) -> None:
         current = {t.address: t for t in self.targets}
         self.draining += [t for t in self.targets if t.address not in endpoints]
-        self.targets = [current.get(a) or TargetClient(a) for a in endpoints]
+        self.targets = [current.get(a) or TargetClient(a, self.tls) for a in endpoints]
         # New replicas count as healthy only once probed: probe now rather than at the next tick.
         asyncio.get_running_loop().create_task(self.refresh())
 

@@ -151,6 +151,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.soak:
+        from benchmarks.soak_bench import SoakConfig, run_soak
+
+        concurrency = int(args.concurrency) if args.concurrency_given else 64
+        return run_soak(
+            SoakConfig(
+                target=args.target,
+                draft=args.draft,
+                dtype=args.dtype,
+                duration=args.duration,
+                warmup=args.warmup,
+                concurrency=concurrency,
+                out_dir=args.out,
+            )
+        )
     if args.pair and args.pair != "demo" and not args.serve:
         from benchmarks.pair_bench import PairBenchConfig, run_pair_bench
         from services.model_store.fetch import gguf_path
@@ -227,16 +242,26 @@ def _service_kwargs(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names} | {"served_model_name": args.served_model_name}
 
 
+def _tls(args: argparse.Namespace):
+    """--tls-cert/--tls-key/--tls-ca (all or none), read once here; None for plaintext."""
+    from services.common.tls import TLSConfig
+
+    return TLSConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca, getattr(args, "tls_server_name", None))
+
+
 def cmd_draft(args: argparse.Namespace) -> int:
     from services.common.runtime import configure_torch_threads
     from services.draft.server import DraftServerConfig, serve
 
+    tls = _tls(args)
     configure_torch_threads(args.threads)
     cfg = DraftServerConfig(
         **_service_kwargs(args),
         max_sequences=args.max_sequences,
         support=args.proposal_support,
         quantize=_quantize(args.quantize),
+        drain_timeout=args.drain_timeout,
+        tls=tls,
     )
     serve(cfg)
     return 0
@@ -246,11 +271,16 @@ def cmd_target(args: argparse.Namespace) -> int:
     from services.common.runtime import configure_torch_threads
     from services.target.server import TargetServerConfig, serve
 
+    tls = _tls(args)
+    _check_capacity(args)
     configure_torch_threads(args.threads)
     cfg = TargetServerConfig(
         **_service_kwargs(args),
         draft_addresses=_addresses(args.draft_address or ""),
         max_batch_size=args.max_batch_size,
+        max_waiting=args.max_waiting,
+        drain_timeout=args.drain_timeout,
+        tls=tls,
         default_method=args.speculation_method,
         default_num_tokens=args.num_speculative_tokens,
         draft_round_timeout=args.draft_timeout,
@@ -268,6 +298,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     addresses = _addresses(args.target_address)
     if not addresses:
         raise ValueError("--target-address needs at least one HOST:PORT")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    if args.ssl_ca_certs and not args.ssl_certfile:
+        raise ValueError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+    if args.request_timeout <= 0 or args.max_body_bytes <= 0 or args.retry_after < 0:
+        raise ValueError("--request-timeout and --max-body-bytes must be positive, --retry-after >= 0")
     run(
         GatewaySettings(
             target_addresses=addresses,
@@ -275,14 +311,30 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             port=args.port,
             api_key=args.api_key,
             served_model_name=args.served_model_name,
+            request_timeout=args.request_timeout,
+            max_body_bytes=args.max_body_bytes,
+            retry_after=args.retry_after,
+            drain_timeout=args.drain_timeout,
+            tls=_tls(args),
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_ca_certs=args.ssl_ca_certs,
         )
     )
     return 0
 
 
+def _check_capacity(args: argparse.Namespace) -> None:
+    if args.max_batch_size < 1 or args.max_waiting < 0:
+        raise ValueError("--max-batch-size must be >= 1 and --max-waiting >= 0")
+    if args.drain_timeout < 0:
+        raise ValueError("--drain-timeout must be >= 0")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.serve import ServeConfig, serve
 
+    _check_capacity(args)
     return serve(
         ServeConfig(
             target=args.target,
@@ -301,6 +353,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device=args.device,
             api_key=args.api_key,
             num_speculative_tokens=args.num_speculative_tokens,
+            max_batch_size=args.max_batch_size,
+            max_waiting=args.max_waiting,
+            drain_timeout=args.drain_timeout,
         )
     )
 
@@ -385,6 +440,40 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
     _add_pair_arg(p)
 
 
+def _add_capacity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch-size", type=int, default=16, help="sequences verified together")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        help="requests queued beyond the batch; past batch + waiting a target refuses (the gateway answers 429)",
+    )
+
+
+def _add_drain_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds for in-flight work to finish (new work is refused meanwhile); then exit 0",
+    )
+
+
+def _add_tls_args(p: argparse.ArgumentParser, client_of: str | None) -> None:
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: mutual TLS (with --tls-key and --tls-ca)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca", default=None, help="PEM CA: peers must present a certificate it signed (and servers are verified)"
+    )
+    if client_of:
+        p.add_argument(
+            "--tls-server-name",
+            default=None,
+            help=f"the name in the {client_of}' certificates (default: the host in the address; set it when a DNS "
+            "name is dialled by its replicas' IPs)",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="speculative-decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -424,7 +513,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="benchmark the whole stack (gateway + target + draft processes) against the in-process engine",
     )
-    b.add_argument("--concurrency", default="1,4,16", help="--serve: concurrent streams to sweep")
+    b.add_argument(
+        "--concurrency", default=None, help="--serve: streams to sweep (default 1,4,16); --soak: clients (default 64)"
+    )
+    b.add_argument(
+        "--soak",
+        action="store_true",
+        help="mixed traffic against specd serve for --duration s: 5xx, lost/hung streams, memory growth, leaks",
+    )
+    b.add_argument("--duration", type=float, default=300.0, help="--soak: seconds of traffic")
+    b.add_argument("--warmup", type=float, default=None, help="--soak: seconds before the memory baseline")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("draft", help="run the gRPC draft service")
@@ -437,12 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampled guesses come from q truncated to this many tokens (sent sparse; still lossless)",
     )
     _add_draft_quantize_arg(d, "--quantize")
+    _add_drain_arg(d)
+    _add_tls_args(d, None)
     d.set_defaults(func=cmd_draft, model_default=str(DEMO_DRAFT))
 
     t = sub.add_parser("target", help="run the gRPC target (verification) service")
     _add_service_args(t, 50052, None)
     t.add_argument("--draft-address", default=None, help="HOST:PORT[,HOST:PORT...] of draft services")
-    t.add_argument("--max-batch-size", type=int, default=16, help="sequences verified together")
+    _add_capacity_args(t)
     t.add_argument(
         "--speculation-method",
         choices=["draft", "ngram", "hybrid", "none"],
@@ -458,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard the target over N processes (one per GPU: cuda:0..N-1 of CUDA_VISIBLE_DEVICES; gloo on CPU)",
     )
     _add_target_quantize_arg(t)
+    _add_drain_arg(t)
+    _add_tls_args(t, "drafts")
     t.set_defaults(func=cmd_target, model_default=str(DEMO_TARGET))
 
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -466,6 +568,16 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, default=8000)
     gw.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     gw.add_argument("--served-model-name", default=None, help="default: the target's model name")
+    gw.add_argument(
+        "--request-timeout", type=float, default=600.0, help="deadline of one generation on the target (then 504)"
+    )
+    gw.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    gw.add_argument("--retry-after", type=int, default=1, help="seconds, in the Retry-After of a 429 (targets full)")
+    _add_drain_arg(gw)
+    _add_tls_args(gw, "targets")
+    gw.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (uvicorn's TLS)")
+    gw.add_argument("--ssl-keyfile", default=None, help="the HTTPS certificate's PEM key")
+    gw.add_argument("--ssl-ca-certs", default=None, help="HTTPS clients must present a certificate of this CA")
     gw.set_defaults(func=cmd_gateway)
 
     s = sub.add_parser("serve", help="run draft, target and gateway locally (demo models by default)")
@@ -487,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu")
     s.add_argument("--api-key", default=None)
     s.add_argument("--num-speculative-tokens", type=int, default=3)
+    _add_capacity_args(s)
+    _add_drain_arg(s)
     s.set_defaults(func=cmd_serve)
     m = sub.add_parser("models", help="fetch and list the known model pairs")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -509,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
+        args.concurrency_given = args.concurrency is not None
+        args.concurrency = args.concurrency or "1,4,16"
         args.k_given = args.k is not None
         args.k = args.k or "1,2,3,4,5,6,7,8"
     if getattr(args, "model", "unset") is None:

@@ -2,9 +2,9 @@
 
 A supervisor, not a cluster manager: it starts the three ``specd`` subcommands, waits until the
 gateway's /health says the whole chain is ready, prints the URL, and on Ctrl-C or SIGTERM stops
-them in order (gateway, target, draft). Each child runs in its own process group (so a terminal's
-Ctrl-C reaches only the supervisor, which then stops them in order) and is asked by the kernel to
-exit if the supervisor dies (PR_SET_PDEATHSIG), so no orphan outlives it.
+them (gateway, target, draft), each draining its in-flight work first. Each child runs in its own
+process group (so a terminal's Ctrl-C reaches only the supervisor, which then stops them) and is
+asked by the kernel to exit if the supervisor dies (PR_SET_PDEATHSIG), so no orphan outlives it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.drain import DEFAULT_DRAIN_TIMEOUT
 from services.common.process import die_with_parent
 from services.common.runtime import DEFAULT_SPINCOUNT
 
@@ -39,6 +41,9 @@ class ServeConfig:
     device: str = "cpu"
     api_key: str | None = None
     num_speculative_tokens: int = 3
+    max_batch_size: int = 16
+    max_waiting: int = 64
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     startup_timeout: float = 300.0
 
 
@@ -47,7 +52,8 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
 
     def model_service(role: str, model: str, port: int, metrics_port: int, dtype: str) -> list[str]:
         return [*cli, role, "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
-                "--dtype", dtype, "--device", cfg.device, "--host", "127.0.0.1"]  # fmt: skip
+                "--dtype", dtype, "--device", cfg.device, "--host", "127.0.0.1",
+                "--drain-timeout", str(cfg.drain_timeout)]  # fmt: skip
 
     cmds = []
     if cfg.draft:
@@ -67,6 +73,7 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
     target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
     if cfg.quantize:
         target += ["--quantize", cfg.quantize]
+    target += ["--max-batch-size", str(cfg.max_batch_size), "--max-waiting", str(cfg.max_waiting)]
     if cfg.draft:
         target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
     cmds.append(("target", target))
@@ -79,6 +86,8 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
         str(cfg.port),
         "--host",
         cfg.host,
+        "--drain-timeout",
+        str(cfg.drain_timeout),
     ]
     if cfg.api_key:
         gw += ["--api-key", cfg.api_key]
@@ -94,18 +103,29 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _stop(procs: list[tuple[str, subprocess.Popen]]) -> None:
-    for _, p in reversed(procs):  # gateway first: stop taking requests, then the services behind it
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for name, p in reversed(procs):
+def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> bool:
+    """SIGTERM to all at once: each drains (refuses new work, finishes what it has) and exits; the
+    gateway goes first so nothing new reaches the others. Anything left after the drain is killed.
+
+    True when every child that was still running exited 0 by itself."""
+    running = [(name, p) for name, p in reversed(procs) if p.poll() is None]
+    for _, p in running:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + drain_timeout + 10
+    clean = True
+    for name, p in running:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            code = p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             print(f"specd serve: {name} did not stop; killing it", file=sys.stderr)
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+            clean = False
+            continue
+        if code != 0:
+            print(f"specd serve: {name} exited with status {code} while stopping", file=sys.stderr)
+            clean = False
+    return clean
 
 
 def serve(cfg: ServeConfig) -> int:
@@ -121,32 +141,42 @@ def serve(cfg: ServeConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     procs: list[tuple[str, subprocess.Popen]] = []
+    status = 1
     try:
-        for name, cmd in _commands(cfg):
-            procs.append((name, subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=die_with_parent)))
-        health = f"http://127.0.0.1:{cfg.port}/health"
-        deadline = time.monotonic() + cfg.startup_timeout
-        while not stopping and not _healthy(health):
-            dead = [n for n, p in procs if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                print(f"specd serve: {', '.join(dead) or 'start-up'} failed; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.3)
-        if stopping:
-            return 0
-        host = "localhost" if cfg.host in ("0.0.0.0", "127.0.0.1") else cfg.host
-        print(
-            f"specd is ready: http://{host}:{cfg.port}/v1 (OpenAI API)  |  metrics: gateway :{cfg.port}/metrics, "
-            f"target :{cfg.target_metrics_port}/metrics"
-            + (f", draft :{cfg.draft_metrics_port}/metrics" if cfg.draft else ""),
-            flush=True,
-        )
-        while not stopping:
-            dead = [n for n, p in procs if p.poll() is not None]
-            if dead:
-                print(f"specd serve: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        return 0
+        status = _run(cfg, procs, env, lambda: stopping)
     finally:
-        _stop(procs)
+        if not _stop(procs, cfg.drain_timeout):
+            status = 1
+    return status
+
+
+def _run(
+    cfg: ServeConfig, procs: list[tuple[str, subprocess.Popen]], env: dict, is_stopping: Callable[[], bool]
+) -> int:
+    """Start the children into ``procs`` and watch them until a signal; the exit status so far."""
+    for name, cmd in _commands(cfg):
+        procs.append((name, subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=die_with_parent)))
+    health = f"http://127.0.0.1:{cfg.port}/health"
+    deadline = time.monotonic() + cfg.startup_timeout
+    while not is_stopping() and not _healthy(health):
+        dead = [n for n, p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            print(f"specd serve: {', '.join(dead) or 'start-up'} failed; stopping", file=sys.stderr)
+            return 1
+        time.sleep(0.3)
+    if is_stopping():
+        return 0
+    host = "localhost" if cfg.host in ("0.0.0.0", "127.0.0.1") else cfg.host
+    print(
+        f"specd is ready: http://{host}:{cfg.port}/v1 (OpenAI API)  |  metrics: gateway :{cfg.port}/metrics, "
+        f"target :{cfg.target_metrics_port}/metrics"
+        + (f", draft :{cfg.draft_metrics_port}/metrics" if cfg.draft else ""),
+        flush=True,
+    )
+    while not is_stopping():
+        dead = [n for n, p in procs if p.poll() is not None]
+        if dead:
+            print(f"specd serve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    return 0

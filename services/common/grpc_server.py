@@ -9,6 +9,9 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.drain import Drain
+from services.common.tls import TLSConfig
+
 # Candidate blocks with sparse q and prompts of a full context stay far below this; it only guards
 # against a runaway message.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -61,14 +64,21 @@ class RunningServer:
 
 
 async def start_server(
-    register: Callable[[grpc.aio.Server], None], host: str, port: int, ready_message: str = ""
+    register: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    ready_message: str = "",
+    tls: TLSConfig | None = None,
 ) -> RunningServer:
-    """Create, bind and start a server on the running loop; prints ``ready_message`` once bound."""
+    """Create, bind and start a server on the running loop; prints ``ready_message`` once bound.
+
+    With ``tls`` the port speaks mutual TLS only (clients must present a certificate of its CA)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()
@@ -78,14 +88,41 @@ async def start_server(
     return RunningServer(server, health_servicer, bound)
 
 
+async def drain_then(server: RunningServer, drain: Drain, idle: Callable[[], bool], then: Callable[[], None]) -> None:
+    """Turn the health service NOT_SERVING, wait until ``idle()`` or the drain's timeout, then call ``then``."""
+    await server.health.enter_graceful_shutdown()
+    while not idle() and not drain.expired():
+        await asyncio.sleep(0.05)
+    then()
+
+
 async def run_server(
-    register: Callable[[grpc.aio.Server], None], host: str, port: int, ready_message: str = ""
+    register: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    ready_message: str = "",
+    tls: TLSConfig | None = None,
+    drain: Drain | None = None,
+    idle: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Serve on the running (main-thread) loop until SIGTERM or SIGINT, then stop gracefully."""
-    server = await start_server(register, host, port, ready_message)
+    """Serve on the running (main-thread) loop until SIGTERM or SIGINT, then stop gracefully.
+
+    With ``drain``, the first signal drains (services/common/drain.py) until ``idle()``; a second
+    one stops at once."""
+    server = await start_server(register, host, port, ready_message, tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []
+
+    def on_signal() -> None:
+        if drain is None or not drain.begin():
+            stop.set()
+        else:
+            tasks.append(loop.create_task(drain_then(server, drain, idle, stop.set)))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
+    for t in tasks:
+        t.cancel()
     await server.stop(grace=2.0)

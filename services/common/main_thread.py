@@ -23,7 +23,9 @@ from typing import Any
 
 import grpc
 
-from services.common.grpc_server import start_server
+from services.common.drain import Drain
+from services.common.grpc_server import drain_then, start_server
+from services.common.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +68,24 @@ def serve_with_main_thread(
     ready_message: str = "",
     on_stop: Callable[[], Awaitable[None]] | None = None,
     background: Callable[[], Awaitable[None]] | None = None,
+    tls: TLSConfig | None = None,
+    drain: Drain | None = None,
+    idle: Callable[[], bool] = lambda: True,
 ) -> None:
     """Serve gRPC from a background asyncio loop while ``main()`` runs here until ``stop_main()``.
 
     ``background``, if given, runs as a task on the gRPC loop for the server's lifetime.
 
-    SIGTERM / SIGINT stop ``main``; then the server stops with a short grace period.
+    SIGTERM / SIGINT stop ``main``; then the server stops with a short grace period. With
+    ``drain``, the first signal drains instead (services/common/drain.py): ``main`` is stopped once
+    ``idle()`` (read on the gRPC loop) or at the drain's timeout; a second signal stops at once.
     """
     loop = asyncio.new_event_loop()
     started: concurrent.futures.Future = concurrent.futures.Future()
     holder: dict[str, Any] = {}  # "server": RunningServer, "background": asyncio.Task
 
     async def start() -> None:
-        holder["server"] = await start_server(register, host, port, ready_message)
+        holder["server"] = await start_server(register, host, port, ready_message, tls)
         if background is not None:
             holder["background"] = asyncio.create_task(background())
 
@@ -94,8 +101,15 @@ def serve_with_main_thread(
 
     threading.Thread(target=io_thread, name="grpc-io", daemon=True).start()
     started.result()  # raises if the port could not be bound
+
+    def on_signal(signum, frame) -> None:
+        if drain is None or not drain.begin():
+            stop_main()
+        else:
+            asyncio.run_coroutine_threadsafe(drain_then(holder["server"], drain, idle, stop_main), loop)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop_main())
+        signal.signal(sig, on_signal)
     try:
         main()
     finally:

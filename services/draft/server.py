@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from services.common.config import ServiceConfig
 from services.common.convert import sampling_from_pb
+from services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
 from services.common.grpc_server import run_server, start_metrics_server
+from services.common.tls import TLSConfig
 from services.draft import metrics
 from services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -29,6 +31,8 @@ class DraftServerConfig(ServiceConfig):
     max_sequences: int = 64
     support: int = 128  # entries of the truncated q sent per sampled guess
     quantize: str | None = None  # "int8": weight-only, half the bytes per step; the target's output is unchanged
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    tls: TLSConfig | None = None  # mutual TLS on this server's port
 
 
 def block_to_pb(b: BlockOut) -> draft_pb2.Block:
@@ -39,9 +43,14 @@ def block_to_pb(b: BlockOut) -> draft_pb2.Block:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, worker: DraftWorker, info: common_pb2.InfoResponse) -> None:
+    def __init__(self, worker: DraftWorker, info: common_pb2.InfoResponse, drain: Drain | None = None) -> None:
         self.worker = worker
         self.info = info
+        self.drain = drain or Drain()
+
+    def idle(self) -> bool:
+        """No sequence held: a draining draft can go (targets re-open elsewhere what comes later)."""
+        return self.worker.active == 0
 
     def _round(self, stream: str, rnd: draft_pb2.DraftRound) -> draft_pb2.DraftBlocks:
         t0 = time.perf_counter()
@@ -49,6 +58,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.worker.release(stream, seq_id)
         errors: dict[str, str] = {}
         for o in rnd.open:
+            if self.drain.draining:
+                # Finish the sequences held, take no new ones: their rows decode without guesses
+                # until the target's stream to this draft closes and it moves them elsewhere.
+                errors[o.sequence_id] = "the draft service is shutting down"
+                continue
             err = self.worker.open(stream, OpenSeq(o.sequence_id, list(o.token_ids), sampling_from_pb(o.sampling)))
             if err:
                 errors[o.sequence_id] = err
@@ -89,7 +103,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self._close_stream(stream)
 
     async def Health(self, request, context):
-        return common_pb2.HealthResponse(serving=True)
+        return common_pb2.HealthResponse(serving=not self.drain.draining)
 
     async def Info(self, request, context):
         return self.info
@@ -124,12 +138,15 @@ def serve(cfg: DraftServerConfig) -> None:
     worker, info = build_worker(cfg)
     start_metrics_server(cfg.metrics_port)
     metrics.DRAFT_SEQUENCES.set(0)
-    servicer = DraftServicer(worker, info)
+    servicer = DraftServicer(worker, info, Drain(cfg.drain_timeout))
     asyncio.run(
         run_server(
             lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
             cfg.host,
             cfg.port,
             ready_message=f"specd draft service ({info.model_name}) listening on port {{port}}",
+            tls=cfg.tls,
+            drain=servicer.drain,
+            idle=servicer.idle,
         )
     )

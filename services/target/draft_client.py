@@ -27,6 +27,7 @@ import torch
 
 from services.common.convert import sampling_to_pb
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.tls import TLSConfig, channel
 from services.engine.drafters import DraftRow, Proposal
 from services.engine.sampling import BatchSampling, SamplingParams
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -40,6 +41,7 @@ class DraftClientConfig:
     round_timeout: float = 2.0  # seconds to wait for a round's blocks before decoding without them
     retry_initial: float = 0.25  # backoff after a failure, doubling up to retry_max
     retry_max: float = 4.0
+    tls: TLSConfig | None = None  # mutual TLS to the drafts (None: plaintext)
 
 
 class _Stream:
@@ -93,7 +95,7 @@ class DraftEndpoint:
     def __init__(self, address: str, cfg: DraftClientConfig) -> None:
         self.address = address
         self.cfg = cfg
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel(address, cfg.tls, CHANNEL_OPTIONS)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: _Stream | None = None
         self.opened: set[str] = set()  # sequences the draft holds on the current stream

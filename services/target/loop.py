@@ -98,6 +98,7 @@ class EngineLoop:
                 r = self.engine.last_round
                 self.exporter.record_round(outputs, r.batch_size, r.draft_seconds, r.verify_seconds)
             self.exporter.set_running(len(self.engine.running) + len(self.engine.waiting))
+            self.exporter.set_kv_slots(self.engine.active_slots)
             for out in outputs:
                 sink = self.sinks.get(out.request_id)
                 if out.finished:

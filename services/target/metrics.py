@@ -43,6 +43,12 @@ BATCH_SIZE = Histogram(
     "specd_batch_size", "Sequences verified together in one target pass", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64)
 )
 REQUESTS_RUNNING = Gauge("specd_requests_running", "Requests admitted or queued on this target")
+KV_SLOTS_USED = Gauge("specd_kv_slots_used", "Target KV cache slots holding a sequence (0 when idle: nothing leaked)")
+REQUESTS_REJECTED = Counter(
+    "specd_requests_rejected",
+    "Generate calls refused before admission (queue_full: running and waiting at capacity)",
+    ["reason"],
+)
 DRAFT_FAILURES = Counter(
     "specd_draft_failures",
     "Rounds in which a draft endpoint failed or timed out (decoded without guesses)",
@@ -91,3 +97,7 @@ class SpecExporter:
     @staticmethod
     def set_running(n: int) -> None:
         REQUESTS_RUNNING.set(n)
+
+    @staticmethod
+    def set_kv_slots(n: int) -> None:
+        KV_SLOTS_USED.set(n)

@@ -16,8 +16,10 @@ import grpc
 from services.common.config import ServiceConfig
 from services.common.convert import sampling_from_pb
 from services.common.discovery import AddressWatcher, resolve_all, split_host_port
+from services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
 from services.common.grpc_server import CHANNEL_OPTIONS, start_metrics_server
 from services.common.main_thread import serve_with_main_thread
+from services.common.tls import TLSConfig, aio_channel
 from services.engine.chat import encode_chat, encode_text
 from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, Request, SpecConfig, StepOutput
 from services.target import metrics
@@ -32,12 +34,22 @@ class TargetServerConfig(ServiceConfig):
     port: int = 50052
     draft_addresses: tuple[str, ...] = ()
     max_batch_size: int = 16
+    # Requests queued beyond the running batch; past max_batch_size + max_waiting in flight, Generate
+    # fails at once with RESOURCE_EXHAUSTED (the gateway answers 429 when every target is full).
+    max_waiting: int = 64
     discovery_interval: float = 5.0  # seconds between DNS re-resolutions of the draft addresses
     default_method: str | None = None  # None: "draft" with draft addresses, else "none"
     default_num_tokens: int = 3  # best measured k for the demo pair (README, engine benchmark)
     draft_round_timeout: float = 2.0
     tensor_parallel_size: int = 1  # shard the target over this many processes (services/engine/tensor_parallel.py)
     quantize: str | None = None  # "int8" | "int4": serve the target quantized at load
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    tls: TLSConfig | None = None  # mutual TLS for this server and for its channels to the drafts
+
+    @property
+    def capacity(self) -> int:
+        """Requests this target holds at once, running or queued."""
+        return self.max_batch_size + self.max_waiting
 
     @property
     def method(self) -> str:
@@ -51,8 +63,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         info: common_pb2.InfoResponse,
         cfg: TargetServerConfig,
         draft_endpoints: tuple[str, ...],
+        drain: Drain | None = None,
     ) -> None:
         self.loop = loop
+        self.drain = drain or Drain(cfg.drain_timeout)
         self.engine: Engine = loop.engine
         self.tokenizer = self.engine.tokenizer
         self.info = info
@@ -78,7 +92,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             asyncio.get_running_loop().create_task(channel.close())
         for a in current:
             if a not in self._draft_health:
-                ch = grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+                ch = aio_channel(a, self.cfg.tls, CHANNEL_OPTIONS)
                 self._draft_health[a] = (ch, draft_pb2_grpc.DraftServiceStub(ch))
         return [stub for _, stub in self._draft_health.values()]
 
@@ -142,7 +156,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # -------------------------------------------------------------------------- RPCs
 
+    def idle(self) -> bool:
+        """No request in flight (read on the gRPC loop, which alone changes ``live``)."""
+        return not self.live
+
     async def Generate(self, request, context):
+        # Typed refusals the gateway acts on by status code: UNAVAILABLE (try another target, or
+        # 503) while draining; RESOURCE_EXHAUSTED (another target, or 429) when this one is full.
+        if self.drain.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this target is shutting down")
+        if len(self.live) >= self.cfg.capacity:
+            metrics.REQUESTS_REJECTED.labels(reason="queue_full").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this target is full ({self.cfg.max_batch_size} running, {self.cfg.max_waiting} waiting)",
+            )
         try:
             req = self.to_request(request)
             if req.request_id in self.live:
@@ -188,7 +216,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             )
             healthy = sum(isinstance(r, common_pb2.HealthResponse) and r.serving for r in replies)
         return common_pb2.HealthResponse(
-            serving=self.loop.running,
+            serving=self.loop.running and not self.drain.draining,
             draft_endpoints_healthy=healthy,
             draft_endpoints_total=len(stubs),
         )
@@ -239,7 +267,7 @@ def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tup
     drafter = None
     if draft_endpoints:
         drafter = RemoteDrafter(
-            DraftClientConfig(draft_endpoints, round_timeout=cfg.draft_round_timeout),
+            DraftClientConfig(draft_endpoints, round_timeout=cfg.draft_round_timeout, tls=cfg.tls),
             target.info.vocab_size,
             target.device,
             on_failure=lambda address: metrics.DRAFT_FAILURES.labels(endpoint=address).inc(),
@@ -259,10 +287,10 @@ def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tup
     return EngineLoop(engine, metrics.SpecExporter()), info
 
 
-async def _check_drafts(draft_endpoints: tuple[str, ...], info: common_pb2.InfoResponse) -> None:
+async def _check_drafts(draft_endpoints: tuple[str, ...], info: common_pb2.InfoResponse, tls: TLSConfig | None) -> None:
     """Refuse a draft whose vocabulary differs; a draft that is not up yet is only logged."""
     for a in draft_endpoints:
-        async with grpc.aio.insecure_channel(a) as ch:
+        async with aio_channel(a, tls) as ch:
             try:
                 d = await draft_pb2_grpc.DraftServiceStub(ch).Info(common_pb2.InfoRequest(), timeout=2.0)
             except grpc.RpcError:
@@ -277,9 +305,11 @@ def serve(cfg: TargetServerConfig) -> None:
     # Resolved once here; the servicer's watcher re-resolves from then on.
     draft_endpoints = resolve_all(cfg.draft_addresses)
     loop, info = build_loop(cfg, draft_endpoints)
-    asyncio.run(_check_drafts(draft_endpoints, info))
+    asyncio.run(_check_drafts(draft_endpoints, info, cfg.tls))
     start_metrics_server(cfg.metrics_port)
     metrics.REQUESTS_RUNNING.set(0)
+    metrics.KV_SLOTS_USED.set(0)
+    metrics.REQUESTS_REJECTED.labels(reason="queue_full")  # exported as 0 from the start
     servicer = TargetServicer(loop, info, cfg, draft_endpoints)
     try:
         serve_with_main_thread(
@@ -290,6 +320,9 @@ def serve(cfg: TargetServerConfig) -> None:
             stop_main=loop.stop,
             ready_message=f"specd target service ({info.model_name}) listening on port {{port}}",
             background=servicer.drafts.run if cfg.draft_addresses else None,
+            tls=cfg.tls,
+            drain=servicer.drain,
+            idle=servicer.idle,
         )
     finally:
         drafter = loop.engine.drafters.get("draft")

@@ -12,11 +12,13 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 COMPOSE = REPO / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "compose" / "docker-compose.gpu.yml"
+COMPOSE_MTLS = DEPLOY / "compose" / "docker-compose.mtls.yml"
 DOCKERFILES = (REPO / "Dockerfile", DEPLOY / "docker" / "Dockerfile.cuda")
 PROMETHEUS_COMPOSE = DEPLOY / "prometheus" / "prometheus.yml"
 PROMETHEUS_K8S = DEPLOY / "prometheus" / "prometheus-k8s.yml"
 ADAPTER_VALUES = DEPLOY / "prometheus" / "adapter-values.yaml"
 K8S = DEPLOY / "k8s"
+K8S_MTLS = DEPLOY / "k8s-mtls"  # a kustomize overlay of K8S (it cannot live inside it)
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "specd.json"
 HEALTHCHECK = DEPLOY / "healthcheck.py"
 

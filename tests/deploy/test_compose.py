@@ -23,6 +23,7 @@ import pytest
 from tests.deploy.files import (
     COMPOSE,
     COMPOSE_GPU,
+    COMPOSE_MTLS,
     DASHBOARD,
     DOCKERFILES,
     PROMETHEUS_COMPOSE,
@@ -71,7 +72,7 @@ def gpu() -> dict:
     return load_yaml(COMPOSE_GPU)
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU, COMPOSE_MTLS], ids=lambda p: p.name)
 def test_compose_files_follow_the_compose_specification(path: Path) -> None:
     assert validation_errors(load_yaml(path)) == []
 
@@ -164,7 +165,7 @@ def test_dockerfile_installs_torch_then_stubs_then_specd(dockerfile: Path) -> No
     assert ("ENTRYPOINT", '["specd"]') in _instructions(dockerfile)
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU, COMPOSE_MTLS], ids=lambda p: p.name)
 def test_every_command_is_accepted_by_the_specd_cli(path: Path) -> None:
     services = load_yaml(path)["services"]
     for name in SPECD_SERVICES:
@@ -306,3 +307,44 @@ def test_dashboard_queries_use_metrics_and_labels_the_services_export() -> None:
             allowed = target_labels.union(*(exported[n] for n in names))
             assert used <= allowed, f"{panel['title']}: labels {used - allowed} do not exist on {names}"
             assert t["datasource"]["uid"] == "${datasource}"
+
+
+def _seconds(duration: str) -> float:
+    m = re.fullmatch(r"(\d+)s", duration)
+    assert m, f"write grace periods in seconds: {duration!r}"
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GPU, COMPOSE_MTLS], ids=lambda p: p.name)
+def test_compose_waits_longer_than_each_service_drains(path: Path, compose: dict) -> None:
+    """SIGTERM drains for --drain-timeout; compose must not SIGKILL before that (plus room to exit)."""
+    grace = _seconds(compose["x-specd"]["stop_grace_period"])
+    for name, service in load_yaml(path)["services"].items():
+        if name not in SPECD_SERVICES or "command" not in service:
+            continue
+        drain = parse_specd_args(command(service)).drain_timeout
+        assert flag(command(service), "--drain-timeout")  # stated, so the two numbers are read together
+        assert grace >= drain + 5, (name, grace, drain)
+
+
+def test_mtls_override_wires_each_service_to_its_own_certificate(compose: dict) -> None:
+    mtls = load_yaml(COMPOSE_MTLS)
+    declared = mtls["secrets"]
+    for secret in declared.values():
+        assert secret["file"].startswith("./certs/"), secret
+    for name in SPECD_SERVICES:
+        service = mtls["services"][name]
+        cmd = command(service)
+        args = parse_specd_args(cmd)
+        mounted = {f"/run/secrets/{s['target']}": s["source"] for s in service["secrets"]}
+        assert mounted[args.tls_cert] == f"{name}_cert" and mounted[args.tls_key] == f"{name}_key"
+        assert mounted[args.tls_ca] == "ca_cert"
+        assert set(mounted.values()) <= set(declared)
+        # The rest of the command is the base file's, plus the TLS flags.
+        base = command(compose["services"][name])
+        assert cmd[: len(base)] == base, (cmd, base)
+        if name != "draft":  # clients dial replicas by IP: they check the service name instead
+            assert args.tls_server_name == {"target": "draft", "gateway": "target"}[name]
+        if name != "gateway":
+            test = service["healthcheck"]["test"]
+            assert test[3] == name and all(f in test for f in ("--tls-cert", "--tls-key", "--tls-ca")), test

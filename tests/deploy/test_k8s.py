@@ -19,6 +19,7 @@ import yaml
 from tests.deploy.files import (
     ADAPTER_VALUES,
     K8S,
+    K8S_MTLS,
     defined_metrics,
     host_port,
     load_yaml,
@@ -198,3 +199,58 @@ def test_an_autoscaler_per_draft_and_target(role: str) -> None:
             assert name in adapter, f"{name} is not published by deploy/prometheus/adapter-values.yaml"
         else:
             assert metric["type"] == "Resource", metric
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_grace_period_covers_the_pre_stop_sleep_and_the_drain(role: str) -> None:
+    pod = find("Deployment", role)["spec"]["template"]["spec"]
+    c = container(role)
+    drain = parse_specd_args([str(a) for a in c["args"]]).drain_timeout
+    assert "--drain-timeout" in c["args"]  # stated, so the numbers are read together
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 5  # past the 5 s re-resolution of the clients (services/common/discovery.py)
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 5, (role, pod["terminationGracePeriodSeconds"])
+
+
+def _render_mtls() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed")
+    out = subprocess.run([kubectl, "kustomize", str(K8S_MTLS)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_mtls_overlay_renders_valid_objects_with_each_service_on_its_secret() -> None:
+    rendered = _render_mtls()
+    assert len(rendered) == len(objects())
+    deployments = {}
+    for doc in rendered:
+        assert schema_errors(doc) is None
+        if doc["kind"] == "Deployment":
+            deployments[doc["metadata"]["name"]] = doc
+    for role in ROLES:
+        pod = deployments[role]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        args = parse_specd_args([str(a) for a in c["args"]])
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == f"specd-{role}-tls"
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+        assert mount["readOnly"]
+        root = mount["mountPath"]
+        assert (args.tls_cert, args.tls_key, args.tls_ca) == (f"{root}/tls.crt", f"{root}/tls.key", f"{root}/ca.crt")
+        assert pod["securityContext"]["fsGroup"] == 10001  # the image's user reads the Secret's files
+        if role != "draft":
+            assert args.tls_server_name == {"target": "draft", "gateway": "target"}[role]
+    for role in ("draft", "target"):
+        (c,) = deployments[role]["spec"]["template"]["spec"]["containers"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" not in c[probe], "native gRPC probes cannot speak TLS"
+            cmd = c[probe]["exec"]["command"]
+            assert cmd[:4] == [
+                "python",
+                "/app/deploy/healthcheck.py",
+                role,
+                f"127.0.0.1:{container(role)['ports'][0]['containerPort']}",
+            ]
+            assert all(f in cmd for f in ("--tls-cert", "--tls-key", "--tls-ca")), cmd

@@ -74,9 +74,18 @@ def kill_process(p: subprocess.Popen) -> None:
         p.wait()
 
 
-def wait_grpc(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+def wait_grpc(
+    port: int,
+    proc: subprocess.Popen,
+    log: Path,
+    timeout: float = 120.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Until the port accepts gRPC connections (over mutual TLS with ``credentials``)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    address = f"127.0.0.1:{port}"
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel as ch:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"service exited early:\n{log.read_text()[-3000:]}")
@@ -88,21 +97,29 @@ def wait_grpc(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120
                     raise TimeoutError(f"port {port} not ready:\n{log.read_text()[-3000:]}") from None
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+def http_get(url: str, timeout: float = 5.0, verify: str | bool = True) -> tuple[int, str]:
+    """(status, body); ``verify``: a CA file for https URLs."""
+    context = None
+    if isinstance(verify, str):
+        import ssl
+
+        context = ssl.create_default_context(cafile=verify)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
 
 
-def wait_http_ok(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+def wait_http_ok(
+    url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0, verify: str | bool = True
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited early:\n{log.read_text()[-3000:]}")
         try:
-            if http_get(url, timeout=2.0)[0] == 200:
+            if http_get(url, timeout=2.0, verify=verify)[0] == 200:
                 return
         except OSError:
             pass
@@ -140,8 +157,13 @@ class Stack:
     draft_model: Path | None
     logdir: Path
     dtype: str = "float32"
+    draft_args: tuple[str, ...] = ()
     target_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    gateway_scheme: str = "http"
+    # For the test's own readiness checks of TLS-only gRPC ports (the services get their flags above).
+    grpc_credentials: grpc.ChannelCredentials | None = None
+    http_verify: str | bool = True  # CA file for an https gateway
     draft_port: int = 0  # 0: five distinct free ports are picked at construction
     draft_metrics: int = 0
     target_port: int = 0
@@ -157,7 +179,7 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
+        return f"{self.gateway_scheme}://127.0.0.1:{self.gateway_port}"
 
     def start_draft(self) -> None:
         log = self.logdir / "draft.log"
@@ -174,10 +196,11 @@ class Stack:
                 str(self.draft_metrics),
                 "--dtype",
                 self.dtype,
+                *self.draft_args,
             ],
             log,
         )
-        wait_grpc(self.draft_port, p, log)
+        wait_grpc(self.draft_port, p, log, credentials=self.grpc_credentials)
 
     def start(self) -> Stack:
         self.logdir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +225,7 @@ class Stack:
             if self.draft_model is not None:
                 args += ["--draft-address", f"127.0.0.1:{self.draft_port}"]
             self.procs["target"] = p = spawn(args, log)
-            wait_grpc(self.target_port, p, log)
+            wait_grpc(self.target_port, p, log, credentials=self.grpc_credentials)
             log = self.logdir / "gateway.log"
             self.procs["gateway"] = p = spawn(
                 [
@@ -217,7 +240,7 @@ class Stack:
                 ],
                 log,
             )
-            wait_http_ok(self.url + "/health", p, log)
+            wait_http_ok(self.url + "/health", p, log, verify=self.http_verify)
         except BaseException:
             self.stop()
             raise
@@ -229,5 +252,7 @@ class Stack:
                 stop_process(self.procs[name])
 
     def metrics(self, which: str) -> str:
-        port = {"draft": self.draft_metrics, "target": self.target_metrics, "gateway": self.gateway_port}[which]
+        if which == "gateway":
+            return http_get(self.url + "/metrics", verify=self.http_verify)[1]
+        port = {"draft": self.draft_metrics, "target": self.target_metrics}[which]
         return http_get(f"http://127.0.0.1:{port}/metrics")[1]

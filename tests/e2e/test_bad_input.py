@@ -17,6 +17,15 @@ COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 LONG = "word " * 3000  # far past the 1024-token context
 
+
+def json_nest(depth: int) -> dict:
+    """{"a": {"a": ... 1}} ``depth`` levels deep."""
+    value: dict | int = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
 # (name, path, body (dict, or raw bytes), expected status, expected param or None)
 CASES = [
     ("malformed json", CHAT, b'{"messages": [', 400, None),
@@ -53,6 +62,52 @@ CASES = [
     ("logprobs requested", CHAT, {"messages": MSG, "logprobs": True}, 400, None),
     ("penalties requested", CHAT, {"messages": MSG, "presence_penalty": 0.5}, 400, None),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
+    # Hardening (issue 15): numbers past 32 bits, NaN and infinity, text that is not valid Unicode or
+    # holds control characters, nesting, hundreds of stop strings.
+    ("enormous max_tokens", CHAT, {"messages": MSG, "max_tokens": 10**30}, 400, "max_tokens"),
+    ("max_tokens past 32 bits", COMP, {"prompt": "x", "max_tokens": 2**40}, 400, "max_tokens"),
+    ("enormous top_k", CHAT, {"messages": MSG, "top_k": 10**20}, 400, "top_k"),
+    (
+        "temperature NaN",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    ("top_p Infinity", COMP, b'{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    ("temperature -Infinity", COMP, b'{"prompt": "x", "temperature": -Infinity}', 400, "temperature"),
+    ("penalty NaN", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": NaN}', 400, None),
+    ("lone surrogate in a message", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None),
+    ("lone surrogate in a prompt", COMP, b'{"prompt": "\\udfff", "max_tokens": 2}', 400, None),
+    (
+        "lone surrogate in the model name",
+        CHAT,
+        b'{"model": "\\ud83d", "messages": [{"role": "user", "content": "hi"}]}',
+        400,
+        None,
+    ),
+    ("lone surrogate in a stop string", COMP, b'{"prompt": "x", "stop": ["\\udc00"]}', 400, None),
+    ("NUL in a message", CHAT, {"messages": [{"role": "user", "content": "a\x00b"}]}, 400, None),
+    ("escape character in a message", CHAT, {"messages": [{"role": "system", "content": "\x1b[31m"}]}, 400, None),
+    (
+        "control character in a text part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\x07"}]}]},
+        400,
+        None,
+    ),
+    ("deeply nested JSON (parser)", CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    (
+        "deeply nested JSON (schema)",
+        CHAT,
+        {"messages": MSG, "response_format": {"type": "text", "x": json_nest(200)}},
+        400,
+        None,
+    ),
+    ("hundreds of stop strings", COMP, {"prompt": "x", "stop": [f"s{i}" for i in range(300)]}, 400, "stop"),
+    ("token id past 32 bits", COMP, {"prompt": [1, 2**40], "max_tokens": 2}, 400, "prompt"),
+    ("token id enormous", COMP, {"prompt": [10**30], "max_tokens": 2}, 400, "prompt"),
+    ("token id negative", COMP, {"prompt": [5, -1], "max_tokens": 2}, 400, "prompt"),
     ("wrong method", "/v1/chat/completions", None, 405, None),
 ]
 
@@ -75,6 +130,23 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(stack, name, pat
         assert err["message"] and "Traceback" not in err["message"]
         if param is not None:
             assert err["param"] == param, err
+        ok = client.post(COMP, json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_body_over_the_size_limit_is_413(stack) -> None:
+    big = b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}'  # over the 4 MiB default
+
+    def chunked():  # no Content-Length: the limit must hold while reading too
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        for content in (big, chunked()):
+            r = client.post(COMP, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 413, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and "bytes" in err["message"]
         ok = client.post(COMP, json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
@@ -145,3 +217,31 @@ def test_unreachable_target_is_a_fast_503(tmp_path) -> None:
 
 def test_stack_fixture_type(stack) -> None:
     assert isinstance(stack, Stack)
+
+
+def test_request_timeout_is_a_504_and_frees_the_target(stack, tmp_path) -> None:
+    """The gateway's gRPC deadline (--request-timeout) ends a generation that runs past it, streamed
+    or not, and the target frees it (the deadline reaches the target with the call)."""
+    from tests.e2e.processes import metric_value
+
+    port = free_port()
+    log = tmp_path / "gateway-deadline.log"
+    gw = spawn(["gateway", "--target-address", f"127.0.0.1:{stack.target_port}", "--host", "127.0.0.1",
+                "--port", str(port), "--request-timeout", "0.5"], log)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(url + "/health", gw, log)
+        body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}  # far longer than 0.5 s here
+        r = httpx.post(url + COMP, json=body, timeout=60)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "timeout"
+        r = httpx.post(url + COMP, json={**body, "stream": True}, timeout=60)
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]"
+        assert '"code":"timeout"' in events[-2], events[-2:]
+        deadline = time.monotonic() + 10
+        while metric_value(stack.metrics("target"), "specd_requests_running") != 0:
+            assert time.monotonic() < deadline, "the target kept the timed-out requests"
+            time.sleep(0.1)
+    finally:
+        stop_process(gw)
