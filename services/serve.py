@@ -37,7 +37,7 @@ class ServeConfig:
     draft_quantize: str | None = None
     device: str = "cpu"
     api_key: str | None = None
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None  # None: the target's default
     startup_timeout: float = 300.0
 
 
@@ -63,7 +63,8 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
             draft += ["--quantize", cfg.draft_quantize]
         cmds.append(("draft", draft))
     target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port, cfg.dtype)
-    target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
+    if cfg.num_speculative_tokens is not None:
+        target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
     if cfg.draft:
         target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
     cmds.append(("target", target))

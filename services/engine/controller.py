@@ -107,6 +107,8 @@ def choose_blocks(
     smaller block, so a row whose acceptance is 0 gets k = 0.
     """
     B, _, kmax = acceptance.shape
+    if B == 1 and (forced_k is None or forced_k[0] < 0):
+        return _choose_one(acceptance[0], int(match_len[0]), bool(model_ok[0]), int(cap[0]), cost, width_range)
     if forced_k is None:
         forced_k = np.full(B, -1)
     if forced_drafter is None:
@@ -155,22 +157,88 @@ def choose_blocks(
         # argmax takes the first maximum: the smallest width, then the fewest steps.
         flat = int(np.argmax(ratio))
         w, km = divmod(flat, kmax + 1)
-        return float(ratio[w, km]), w, km, use_model[w, km], ng_used[w, km], int(width[w, km]), int(
-            steps[w, km]
-        ), float(tokens[w, km]), float(c[w, km])
+        return (
+            float(ratio[w, km]),
+            w,
+            km,
+            use_model[w, km],
+            ng_used[w, km],
+            int(width[w, km]),
+            int(steps[w, km]),
+            float(tokens[w, km]),
+            float(c[w, km]),
+        )
 
     # Speculating nowhere prices the first pass; then one refinement at the goodput found.
     none_cost = cost.verify(B, forced_width) + cost.draft(forced_steps, forced_model_rows)
     best = evaluate((forced_tokens + float(free.sum())) / none_cost)
-    refined = evaluate(best[0])
-    if refined[0] > best[0]:
-        best = refined
+    if cost.d_step_row > 0:  # the goodput only prices extra model rows
+        refined = evaluate(best[0])
+        if refined[0] > best[0]:
+            best = refined
     _, W, Km, use_model, ng_used, width, steps, tokens, c = best
     ks = np.where(use_model, m_k[Km], ng_used)
     drafters = np.where(use_model, MODEL, np.where(ng_used > 0, NGRAM, -1))
     ks = np.where(free, ks, fk)
     drafters = np.where(free, np.where(ks > 0, drafters, -1), fd)
     return Choice(ks.astype(int), drafters.astype(int), width, steps, tokens, c)
+
+
+def _choose_one(
+    acceptance: np.ndarray, match_len: int, model_ok: bool, cap: int, cost: CostModel, width_range
+) -> Choice:
+    """:func:`choose_blocks` for a batch of one free row, in plain Python: at batch 1 a round is a
+    few milliseconds, and some fifty small numpy calls would cost a noticeable share of it."""
+    kmax = acceptance.shape[-1]
+    cap = min(max(cap, 0), kmax)
+    lo, hi = width_range if width_range is not None else (0, kmax)
+    hi = min(hi, kmax)
+    e = [[1.0], [1.0]]
+    for d in (NGRAM, MODEL):
+        survive, total = 1.0, 1.0
+        for a in acceptance[d].tolist():
+            survive *= min(max(a, 0.0), 1.0)
+            total += survive
+            e[d].append(total)
+    fixed = cost.v0 + cost.v_row
+    best = None  # (ratio, k, drafter, width, steps, tokens, cost)
+    # Alone, every option's full cost is known: compare them all (n-gram first, then the model by
+    # steps; ties keep the earlier, smaller one).
+    for W in range(lo, hi + 1):
+        k = min(match_len, cap, W)
+        options = [(e[NGRAM][k], k, NGRAM if k > 0 else -1, k, 0)]
+        if model_ok:
+            options += [(e[MODEL][min(cap, m)], min(cap, m), MODEL, m, m) for m in range(1, W + 1) if min(cap, m) > 0]
+        for tokens, k, drafter, width, steps in options:
+            c = fixed + cost.v_token * (width + 1) + cost.draft(steps, 1)
+            if best is None or tokens / c > best[0] * (1 + 1e-9):
+                best = (tokens / c, k, drafter, width, steps, tokens, c)
+    _, k, drafter, width, steps, tokens, c = best
+    return Choice(np.array([k]), np.array([drafter]), width, steps, tokens, c)
+
+
+def choose_solo(
+    acceptance: np.ndarray, match_len: np.ndarray, model_ok: np.ndarray, cap: np.ndarray, cost: CostModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row planned as if it ran alone (a batch of one): ``[D, 2, kmax]`` acceptance -> (ks, drafters).
+
+    The same objective as :func:`choose_blocks` at B = 1, vectorised over independent rows.
+    """
+    D, _, kmax = acceptance.shape
+    E = expected_tokens(acceptance)  # [D, 2, kmax + 1]
+    k = np.arange(kmax + 1)
+    verify = cost.verify(1, 0) + cost.v_token * k  # [kmax + 1]
+    c_ng = verify
+    c_m = verify + np.where(k > 0, cost.d0 + k * (cost.d_step + cost.d_step_row), 0.0)
+    capped = k[None, :] <= np.minimum(cap, kmax)[:, None]  # [D, kmax + 1]
+    r_ng = np.where(capped & (k[None, :] <= match_len[:, None]), E[:, NGRAM] / c_ng, -np.inf)
+    r_m = np.where(capped & model_ok[:, None], E[:, MODEL] / c_m, -np.inf)
+    r_m[:, 0] = -np.inf  # k = 0 is the n-gram column's (no drafter)
+    ratio = np.concatenate([r_ng, r_m], axis=1)  # first maximum: n-gram before model, small k first
+    best = np.argmax(ratio, axis=1)
+    ks = best % (kmax + 1)
+    drafters = np.where(ks == 0, -1, np.where(best > kmax, MODEL, NGRAM))
+    return ks, drafters
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -190,12 +258,15 @@ class ControllerConfig:
     # Ridge pull of the cost fit toward its prior, in units of the features' mean square: weak, so
     # a little variation in the width identifies the per-token cost, yet it keeps a batch that never
     # varies its width (collinear features) well posed.
-    cost_prior_weight: float = 0.1
+    cost_prior_weight: float = 3.0
     outlier_factor: float = 3.0  # a timing above this many times the prediction is clipped to it
     # Per round: verify one guess more or fewer than chosen, so the fit sees how verify time grows
     # with the width. Near the optimum goodput is flat in the width, so this costs little.
     explore_width: float = 0.1
     explore_start: float = 0.02  # per round, with speculation off everywhere: try a width of 1
+    # Plan seeded sampled requests from their own history with fixed priors and costs (so they
+    # repeat exactly); False plans them like any other row (tests of the timing-driven path).
+    pin_seeded: bool = True
     seed: int = 0
 
 
@@ -215,44 +286,57 @@ def _record(accepted: np.ndarray, tested: np.ndarray, proposed: int, num_accepte
     tested[: min(num_accepted + 1, proposed)] += 1.0
 
 
-class _DecayedRidge:
-    """Weighted least squares with exponential forgetting and a ridge pull toward a prior mean.
+class _ShapedFit:
+    """Least squares with exponential forgetting of ``y ~ a * (shape . x) + b . x``.
 
-    The ridge precision of each coefficient is ``prior_weight`` times the data's own mean square of
-    that feature, so the prior's pull does not depend on the units; collinear
-    features (a batch that never changes its width) fall back to the prior instead of blowing up.
+    ``shape`` is the prior's idea of how the cost splits over the features; its level ``a`` is
+    fitted freely, while the deviations ``b`` are pulled toward 0 by a ridge penalty worth
+    ``prior_weight`` rounds at the feature's observed variation. So a batch that never varies its width
+    (collinear features) keeps the prior's proportions at the measured level, instead of sharing a
+    slow stretch of the machine equally among the coefficients; variation in the width moves the
+    per-token cost away from the prior as far as the data says.
     """
 
-    def __init__(self, p: int, prior_weight: float) -> None:
-        self.xtx = np.zeros((p, p))
-        self.xty = np.zeros(p)
+    def __init__(self, shape: np.ndarray, prior_weight: float) -> None:
+        self.shape = shape
+        p = len(shape) + 1
+        self.ztz = np.zeros((p, p))
+        self.zty = np.zeros(p)
+        self.zsum = np.zeros(p)
         self.weight = 0.0
         self.prior_weight = prior_weight
-        self.prior: np.ndarray | None = None
         self._coef: np.ndarray | None = None
 
     def decay(self, factor: float) -> None:
-        self.xtx *= factor
-        self.xty *= factor
+        self.ztz *= factor
+        self.zty *= factor
+        self.zsum *= factor
         self.weight *= factor
+        # The solution barely moves with a uniform decay; it is refreshed at the next add.
 
     def add(self, x: np.ndarray, y: float) -> None:
-        self.xtx += np.outer(x, x)
-        self.xty += x * y
+        z = np.empty(len(x) + 1)
+        z[0] = self.shape @ x
+        z[1:] = x
+        self.ztz += np.outer(z, z)
+        self.zty += z * y
+        self.zsum += z
         self.weight += 1.0
         self._coef = None
 
+    @property
+    def fitted(self) -> bool:
+        return self.weight > 1e-3
+
     def coef(self) -> np.ndarray:
-        assert self.prior is not None
+        """The cost per unit of each feature (never negative: a negative slope is noise)."""
         if self._coef is None:
-            if self.weight < 1e-6:
-                self._coef = self.prior.copy()
-            else:
-                scale = np.diag(self.xtx) / self.weight + 1e-12
-                lam = np.diag(self.prior_weight * scale)
-                beta = np.linalg.solve(self.xtx + lam, self.xty + lam @ self.prior)
-                # Costs are never negative; a negative slope is noise.
-                self._coef = np.maximum(beta, 0.0)
+            mean_sq = np.diag(self.ztz) / self.weight + 1e-12
+            var = np.maximum(mean_sq - (self.zsum / self.weight) ** 2, 0.0)
+            lam = self.prior_weight * (var + 1e-3 * mean_sq)
+            lam[0] = 1e-9 * mean_sq[0]  # the level is free
+            theta = np.linalg.solve(self.ztz + np.diag(lam), self.zty)
+            self._coef = np.maximum(theta[0] * self.shape + theta[1:], 0.0)
         return self._coef
 
     def predict(self, x: np.ndarray) -> float:
@@ -260,12 +344,12 @@ class _DecayedRidge:
 
 
 # Prior shape of the cost model, in units of one fixed verify cost: a guess token or a row costs a
-# tenth of it, a draft step 15% (the demo pair on a CPU core is near this; the real pair's draft
-# is dearer, which the fit learns in a few rounds). The scale comes from the first timed round.
-_VERIFY_PRIOR = np.array([1.0, 0.1, 0.1])
-_DRAFT_PRIOR = np.array([0.02, 0.12, 0.03])
+# tenth of it, a draft step 12% (the demo pair on a CPU core is near this; the real pair's draft
+# is dearer, and a GPU's verify at small batch cheaper per token, which the fit learns).
+_VERIFY_SHAPE = np.array([1.0, 0.1, 0.1])
+_DRAFT_SHAPE = np.array([0.02, 0.12, 0.03])
 # The cost model seeded requests are planned with: fixed, so their k never depends on timings.
-REFERENCE_COST = CostModel(1.0, 0.1, 0.1, 0.02, 0.12, 0.03)
+REFERENCE_COST = CostModel(*_VERIFY_SHAPE, *_DRAFT_SHAPE)
 
 
 @dataclass
@@ -300,8 +384,8 @@ class SpeculationController:
         # Engine-wide counts keyed by [greedy][drafter, position].
         self.global_accepted = np.zeros((2, 2, k))
         self.global_tested = np.zeros((2, 2, k))
-        self.verify_fit = _DecayedRidge(3, config.cost_prior_weight)
-        self.draft_fit = _DecayedRidge(3, config.cost_prior_weight)
+        self.verify_fit = _ShapedFit(_VERIFY_SHAPE, config.cost_prior_weight)
+        self.draft_fit = _ShapedFit(_DRAFT_SHAPE, config.cost_prior_weight)
         self.rng = np.random.default_rng(config.seed)
         self.stats = ControllerStats()
 
@@ -318,10 +402,13 @@ class SpeculationController:
         return (seq.accepted + w * prior) / (seq.tested + w)
 
     def cost_model(self) -> CostModel:
-        if self.verify_fit.prior is None:
+        """The fitted round cost; before any timing the reference shape (only ratios matter)."""
+        if not self.verify_fit.fitted:
             return REFERENCE_COST
         v = self.verify_fit.coef()
-        d = self.draft_fit.coef()
+        # Until the draft model has been timed, its steps are priced at the prior's share of the
+        # verify cost at the measured level.
+        d = self.draft_fit.coef() if self.draft_fit.fitted else _DRAFT_SHAPE * (v[0] / _VERIFY_SHAPE[0])
         return CostModel(*v, *d)
 
     # ------------------------------------------------------------------------- planning
@@ -332,19 +419,20 @@ class SpeculationController:
         forced_d = np.array([r.forced_drafter for r in rows], dtype=int)
         # Seeded sampled rows: planned alone, from their own history and fixed priors, so the same
         # request draws the same random numbers whatever shares its batch and however fast it runs.
-        for i, r in enumerate(rows):
-            if r.deterministic and r.forced_k < 0:
-                acc = self.seq_acceptance(r.seq, np.full_like(r.seq.accepted, self.cfg.prior_acceptance))
-                solo = choose_blocks(
-                    acc[None, :, :kmax],
-                    np.array([r.match_len]),
-                    np.array([r.model_ok]),
-                    np.array([r.cap]),
-                    REFERENCE_COST,
-                )
-                forced_k[i], forced_d[i] = int(solo.ks[0]), int(solo.drafters[0])
-        priors = {g: self.global_acceptance(g) for g in (False, True)}
-        acc = np.stack([self.seq_acceptance(r.seq, priors[r.greedy]) for r in rows])[:, :, :kmax]
+        solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0 and self.cfg.pin_seeded]
+        if solo:
+            prior = np.full((2, self.cfg.kmax), self.cfg.prior_acceptance)
+            acc = np.stack([self.seq_acceptance(rows[i].seq, prior) for i in solo])[:, :, :kmax]
+            ks, drafters = choose_solo(
+                acc,
+                np.array([rows[i].match_len for i in solo], dtype=int),
+                np.array([rows[i].model_ok for i in solo], dtype=bool),
+                np.array([rows[i].cap for i in solo], dtype=int),
+                REFERENCE_COST,
+            )
+            forced_k[solo], forced_d[solo] = ks, drafters
+        priors = {g: self.global_acceptance(g) for g in {r.greedy for r in rows}}
+        acc = np.stack([self.seq_acceptance(r.seq, priors[r.greedy])[:, :kmax] for r in rows])
         args = (
             acc,
             np.array([r.match_len for r in rows], dtype=int),
@@ -403,13 +491,16 @@ class SpeculationController:
         follows), and ``model_steps`` draft-model steps for ``model_rows`` rows (0 if unused)."""
         cfg = self.cfg
         xv = np.array([1.0, rows, rows * (width + 1.0)])
-        if self.verify_fit.prior is None:
-            scale = verify_seconds / float(_VERIFY_PRIOR @ xv)
-            self.verify_fit.prior = _VERIFY_PRIOR * scale
-            self.draft_fit.prior = _DRAFT_PRIOR * scale
         self.verify_fit.decay(cfg.cost_decay)
         self.draft_fit.decay(cfg.cost_decay)
-        self.verify_fit.add(xv, min(verify_seconds, cfg.outlier_factor * self.verify_fit.predict(xv)))
+        # A round far slower than predicted (another process took the core) is clipped, not trusted.
+        limit = cfg.outlier_factor * self.verify_fit.predict(xv) if self.verify_fit.fitted else np.inf
+        self.verify_fit.add(xv, min(verify_seconds, limit))
         if model_steps > 0 and model_rows > 0:
             xd = np.array([1.0, model_steps, model_steps * float(model_rows)])
-            self.draft_fit.add(xd, min(draft_seconds, cfg.outlier_factor * self.draft_fit.predict(xd)))
+            if self.draft_fit.fitted:
+                limit = cfg.outlier_factor * self.draft_fit.predict(xd)
+            else:  # the first timing (a draft service's time-out, say) is checked against the prior
+                c = self.cost_model()
+                limit = 2 * cfg.outlier_factor * c.draft(model_steps, model_rows)
+            self.draft_fit.add(xd, min(draft_seconds, limit))

@@ -30,9 +30,7 @@ COMPUTE_BOUND = CostModel(v0=2e-3, v_row=0.2e-3, v_token=1.0e-3, d0=0.1e-3, d_st
 
 def _choose(acc, cost, B=1, match=0, model=True, cap=KMAX, **kw):
     acceptance = np.broadcast_to(np.asarray(acc, dtype=float), (B, 2, KMAX)).copy()
-    return choose_blocks(
-        acceptance, np.full(B, match), np.full(B, model, dtype=bool), np.full(B, cap), cost, **kw
-    )
+    return choose_blocks(acceptance, np.full(B, match), np.full(B, model, dtype=bool), np.full(B, cap), cost, **kw)
 
 
 def test_expected_tokens_is_the_leviathan_formula() -> None:
@@ -201,3 +199,39 @@ def test_seeded_rows_are_planned_without_timings_or_batch() -> None:
         ch = ctl.plan([RowPlan(seq, False, KMAX, 2, True, deterministic=True), *mates], KMAX)
         out.append((int(ch.ks[0]), int(ch.drafters[0])))
     assert out[0] == out[1] and out[0][0] > 0
+
+
+def test_oracle_bound_prices_only_the_accepted_guesses() -> None:
+    """The bench's oracle: rounds recovered from the per-position counters, each priced as a
+    (j+1)-token pass plus j draft steps. With a flat verify and free drafting it is exactly the
+    tokens per target pass; dearer verification or drafting lowers it."""
+    from benchmarks.engine_bench import oracle_speedup, rounds_by_accepted
+    from services.engine.stats import SpecStats
+
+    s = SpecStats()
+    for proposed, accepted in [(3, 3), (3, 0), (3, 1), (2, 2), (0, 0)]:
+        s.record_round(proposed, accepted, accepted + 1)
+    assert rounds_by_accepted(s) == [2, 1, 1, 1]
+    flat = {f"target_{t}": 10.0 for t in range(1, 5)}
+    assert oracle_speedup(s, flat, 0.0) == pytest.approx(s.tokens_per_forward)
+    steep = {f"target_{t}": 10.0 + 4 * (t - 1) for t in range(1, 5)}
+    assert oracle_speedup(s, steep, 0.0) < oracle_speedup(s, flat, 0.0)
+    assert oracle_speedup(s, flat, 2.0) < oracle_speedup(s, flat, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_batch_of_one_fast_path_is_optimal(seed: int) -> None:
+    """At B = 1 the plain-Python path compares every option's full cost: nothing beats it."""
+    rng = np.random.default_rng(100 + seed)
+    acc = rng.uniform(0, 1, (1, 2, KMAX)) ** rng.uniform(0.2, 3)
+    match, model_ok, cap = rng.integers(0, KMAX + 1, 1), rng.random(1) < 0.7, rng.integers(0, KMAX + 1, 1)
+    cost = CostModel(*(rng.uniform(0, 1, 6) * np.array([10, 1, 1, 1, 3, 0.5]) * 1e-3 + 1e-6))
+    ch = choose_blocks(acc, match, model_ok, cap, cost)
+    got = _goodput(acc, match, model_ok, cap, cost, ch.ks, ch.drafters)
+    assert got == pytest.approx(ch.goodput, rel=1e-9) and 0 <= ch.ks[0] <= cap[0]
+    for k in range(int(cap[0]) + 1):
+        for who in (NGRAM, MODEL):
+            if (who == NGRAM and k > match[0]) or (who == MODEL and not model_ok[0]):
+                continue
+            dr = np.array([who if k > 0 else -1])
+            assert got >= _goodput(acc, match, model_ok, cap, cost, np.array([k]), dr) * (1 - 1e-9)
