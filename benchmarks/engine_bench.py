@@ -10,7 +10,8 @@ Modes, each at temperature 0 (greedy) and 0.8, one request at a time (latency, b
 ``transformers`` runs with the target in bf16 and in fp32 (the draft in fp32), and comparisons use
 whichever is faster, so no baseline is handicapped by a dtype choice of ours.
 - ``specd-draft`` / ``specd-ngram`` / ``specd-hybrid``: our engine with the draft model / n-gram
-  lookup / n-gram first and the draft model where it finds nothing, for each k.
+  lookup / n-gram first and the draft model where it finds nothing, for each k;
+- ``specd-auto``: the controller's choice of k (up to the largest k swept) and drafter per round.
 
 Every request generates exactly ``max_tokens`` tokens (EOS ignored) so all modes do the same work.
 Reported per mode: tokens/s, speed-up against ``specd-target-only``, acceptance rate
@@ -26,6 +27,15 @@ Reported per mode: tokens/s, speed-up against ``specd-target-only``, acceptance 
 ``a`` is estimated as S / (S + F): S accepted guesses, F rejections (rounds that stopped early). It
 is the maximum-likelihood per-token acceptance if acceptances were i.i.d.; accepted/proposed is
 lower because guesses after a rejection are never tested.
+
+The **oracle bound** (``oracle_speedup``) asks what the run's own rounds would have cost had each
+verified exactly the guesses that were accepted: a round that accepted ``j`` guesses then costs ``j``
+draft steps of the same drafter (none for the n-gram) and one ``(j+1)``-token target pass, at the
+costs measured in this run, and emits the same ``j + 1`` tokens. The gap between it and the measured
+speed-up is the verify (and draft) work spent on rejected guesses. The rounds' accept counts come
+from the per-position counters (rounds with at least ``j`` accepted = accepted at position ``j``).
+For ``hybrid`` and ``auto`` every round is priced with draft-model steps, so their bound is a
+lower bound.
 """
 
 from __future__ import annotations
@@ -112,7 +122,13 @@ def _params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
 
 
-SPECD_MODES = {"none": "specd-target-only", "draft": "specd-draft", "ngram": "specd-ngram", "hybrid": "specd-hybrid"}
+SPECD_MODES = {
+    "none": "specd-target-only",
+    "draft": "specd-draft",
+    "ngram": "specd-ngram",
+    "hybrid": "specd-hybrid",
+    "auto": "specd-auto",
+}
 
 
 def run_specd(engine: Engine, prompts, method: str, k: int, temperature: float, cfg: BenchConfig, res: ModeResult):
@@ -170,7 +186,8 @@ def measure_costs(engine: Engine, ks: tuple[int, ...]) -> dict:
     """Per-forward latencies (ms) of the draft (1 token) and the target (1 and k+1 tokens)."""
     draft = engine.drafters["draft"].model
     out = {"draft_1": _median_forward_ms(draft, 1), "target_1": _median_forward_ms(engine.target, 1)}
-    for k in ks:
+    # Every block width up to the largest k (the oracle bound prices rounds of any accept count).
+    for k in range(1, max(ks) + 1):
         out[f"target_{k + 1}"] = _median_forward_ms(engine.target, k + 1)
     out["c"] = out["draft_1"] / out["target_1"]
     return out
@@ -186,6 +203,23 @@ def leviathan(a: float, k: int, c: float) -> tuple[float, float]:
     """(expected tokens per target forward, wall-clock speed-up) for acceptance a, block k, cost c."""
     tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
     return tokens, tokens / (k * c + 1)
+
+
+def rounds_by_accepted(stats: SpecStats) -> list[int]:
+    """[j] = rounds that accepted exactly j guesses, from the per-position accept counters."""
+    at_least = [stats.target_forward_passes, *stats.accepted_per_position, 0]
+    return [at_least[j] - at_least[j + 1] for j in range(len(at_least) - 1)]
+
+
+def oracle_speedup(stats: SpecStats, costs: dict, draft_step_ms: float) -> float | None:
+    """Speed-up over target-only had every round verified exactly its accepted guesses (same
+    drafter: ``draft_step_ms`` per guess, 0 for the n-gram), at this run's measured costs."""
+    n = rounds_by_accepted(stats)
+    if not stats.target_forward_passes or any(f"target_{j + 1}" not in costs for j, c in enumerate(n) if c):
+        return None
+    ms = sum(c * (j * draft_step_ms + costs[f"target_{j + 1}"]) for j, c in enumerate(n))
+    emitted = sum(c * (j + 1) for j, c in enumerate(n))
+    return emitted * costs["target_1"] / ms if ms else None
 
 
 def run_engine_bench(cfg: BenchConfig) -> dict:
@@ -232,6 +266,8 @@ def run_engine_bench(cfg: BenchConfig) -> dict:
                 for k in cfg.ks:
                     for method in ("draft", "ngram", "hybrid"):
                         run_specd(engine, prompts, method, k, t, cfg, get(SPECD_MODES[method], k))
+                kmax = max(cfg.ks)  # auto may choose any k up to the largest one swept
+                run_specd(engine, prompts, "auto", kmax, t, cfg, get(SPECD_MODES["auto"], kmax))
                 if rep == cfg.repeats - 1:
                     for r in group:
                         print(_row(r, group[0], costs), flush=True)
@@ -271,10 +307,13 @@ def _summary(r: ModeResult, base: ModeResult, costs: dict) -> dict:
             tokens, speedup = leviathan(a, r.k, c)
             # Rounds that made no guess (an n-gram miss, or the last token of a request) emit one token.
             m = s.proposed_per_position[0] / s.target_forward_passes if s.proposed_per_position else 0.0
+            oracle = oracle_speedup(s, costs, 0.0 if r.mode == "specd-ngram" else costs["draft_1"])
             row.update(
                 guess_rate=round(m, 4),
                 predicted_tokens_per_forward=round((1 - m) + m * tokens, 3),
                 predicted_speedup=round(speedup, 3),
+                oracle_speedup=round(oracle, 3) if oracle else None,
+                mean_k=round(s.mean_block_size, 3),
             )
             if r.mode == "specd-draft":
                 # The same formula with the verification pass priced as measured (k+1 tokens cost more
@@ -291,6 +330,7 @@ def _row(r: ModeResult, base: ModeResult, costs: dict) -> str:
         extra = (
             f" acc={d['acceptance_rate']:.2f} a={d['alpha_hat']:.2f} tok/fwd={d['tokens_per_target_forward']:.2f}"
             f" (pred {d['predicted_tokens_per_forward']:.2f}) pred_speedup={d['predicted_speedup']:.2f}"
+            f" oracle={d['oracle_speedup'] or 0:.2f} mean_k={d['mean_k']:.2f}"
         )
         if "predicted_speedup_measured_costs" in d:
             extra += f" (with measured verify cost {d['predicted_speedup_measured_costs']:.2f})"

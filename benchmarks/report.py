@@ -19,8 +19,8 @@ def summary_table(doc: dict) -> str:
     """One line per (prompt set, temperature): every mode at its best k."""
     out = [
         "| prompts | T | specd target-only | hf generate | hf assisted | specd draft (best k) | specd n-gram"
-        " | specd hybrid |",
-        "|---|---|---|---|---|---|---|---|",
+        " | specd hybrid | specd auto |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     temps = sorted({r["temperature"] for r in doc["rows"]})
     for category in ("code", "prose"):
@@ -41,17 +41,18 @@ def summary_table(doc: dict) -> str:
             out.append(
                 f"| {category} | {t} | {cell(base)} | {cell(hf_gen)} {hf_gen['mode'][-4:]} | "
                 f"{cell(hf_ass)} {hf_ass['mode'][-4:]} | {cell(_best(rows, 'specd-draft'))} | "
-                f"{cell(_best(rows, 'specd-ngram'))} | {cell(_best(rows, 'specd-hybrid'))} |"
+                f"{cell(_best(rows, 'specd-ngram'))} | {cell(_best(rows, 'specd-hybrid'))} | "
+                f"{cell(_best(rows, 'specd-auto'))} |"
             )
     return "\n".join(out)
 
 
 def sweep_table(doc: dict, mode: str = "specd-draft") -> str:
-    """Every k for one mode: measured against predicted."""
+    """Every k for one mode: measured against predicted and against the oracle bound."""
     out = [
         "| prompts | T | k | tok/s | speed-up | acceptance | a (per token) | tokens/forward"
-        " | predicted tokens/forward | Leviathan speed-up | with measured verify cost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " | predicted tokens/forward | Leviathan speed-up | with measured verify cost | oracle bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         if r["mode"] != mode:
@@ -60,7 +61,8 @@ def sweep_table(doc: dict, mode: str = "specd-draft") -> str:
             f"| {r['category']} | {r['temperature']} | {r['k']} | {r['tokens_per_second']:.0f} | "
             f"x{r['speedup_vs_specd_target_only']:.2f} | {r['acceptance_rate']:.2f} | {r['alpha_hat']:.2f} | "
             f"{r['tokens_per_target_forward']:.2f} | {r['predicted_tokens_per_forward']:.2f} | "
-            f"x{r['predicted_speedup']:.2f} | {_opt(r.get('predicted_speedup_measured_costs'))} |"
+            f"x{r['predicted_speedup']:.2f} | {_opt(r.get('predicted_speedup_measured_costs'))} | "
+            f"{_opt(r.get('oracle_speedup'))} |"
         )
     return "\n".join(out)
 
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(sweep_table(doc))
     print()
+    if any(r["mode"] == "specd-auto" for r in doc["rows"]):
+        print(sweep_table(doc, "specd-auto"))
+        print()
     for key, best in doc["best_draft"].items():
         print(
             f"- {key}: best k={best['best_k']}, x{best['speedup_vs_specd_target_only']:.2f} vs target-only, "

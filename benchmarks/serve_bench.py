@@ -1,31 +1,37 @@
-"""``specd bench --serve``: the whole stack (gateway + target + draft processes) against the engine.
+"""``specd bench --serve``: the whole stack (gateway + target + draft processes), every speculation mode
+side by side, against concurrency.
 
 In one run, interleaved:
 
-- **through the stack**: streaming ``/v1/completions`` requests at concurrency 1, 4 and 16, with
-  speculation off (``none``) and on (``draft`` at each block size k asked for; a request carries
-  its own k, so one stack serves them all), greedy, exactly ``max_tokens`` tokens each;
-- **in-process**: the same prompts through the :class:`Engine` in this process, batch 1, ``none``
-  and ``draft`` at each k, once per pass, right after that pass's concurrency-1 runs (the stack is
-  idle meanwhile).
-  Interleaving matters: this machine drifts by several percent over minutes, and a ratio of two
-  speed-ups measured minutes apart inherits that drift.
+- **through the stack**: streaming requests at each concurrency, for each workload (``code``:
+  ``/v1/completions`` on code prompts; ``prose``: ``/v1/chat/completions`` on questions) and each
+  temperature (0 = greedy), in every mode: ``none`` (speculation off, the baseline), the draft model
+  at each fixed k asked for, and ``auto`` (the controller picks k <= the largest k and the drafter
+  per sequence and round). A request carries its own mode, so one stack serves them all. Every
+  request generates exactly ``max_tokens`` tokens (EOS ignored); no seeds, so ``auto`` plans every
+  row from the measured timings.
+- **in-process**: the same code prompts through the :class:`Engine` in this process, batch 1,
+  greedy, in every mode, once per pass, right after that pass's concurrency-1 greedy code runs (the
+  stack is idle meanwhile). Interleaving matters: this machine drifts by several percent over
+  minutes, and a ratio of two speed-ups measured minutes apart inherits that drift.
 
-Reported per (concurrency, method): time to first token, time between tokens p50/p99 (a chunk of n
-tokens counts as n gaps of its interval / n, as the gateway's histogram does), aggregate tokens/s,
-the speed-up of ``draft`` over ``none``, and at concurrency 1 the stack's overhead against the
-in-process engine: per token, and as the share of the in-process speed-up the stack keeps.
+The stack is started here, process by process (the commands of ``specd serve``, with the target's
+``--max-batch-size``), so a batch can hold every concurrent stream.
+
+Reported per (workload, temperature, concurrency, mode): time to first token, time between tokens
+p50/p99 (a chunk of n tokens counts as n gaps of its interval / n, as the gateway's histogram does),
+aggregate tokens/s, the speed-up over ``none``, acceptance and the mean k; per (workload,
+temperature, concurrency) how ``auto`` compares with the best of ``none`` and every fixed k (the
+issue's criterion: >= 0.95x the best, >= 0.97x none); and at concurrency 1 the stack's overhead
+against the in-process engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -33,11 +39,14 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.engine_bench import CODE_PROMPTS
+from benchmarks.engine_bench import CODE_PROMPTS, PROSE_QUESTIONS
 from services.common.ports import free_ports
-from services.common.process import die_with_parent
+from services.common.process import die_with_parent, stop_process_group
 from services.engine.engine import EngineConfig, Request, SpecConfig
 from services.engine.sampling import SamplingParams
+
+WORKLOADS = ("code", "prose")
+Mode = tuple[str, int]  # (method, k): ("none", 0), ("draft", k), ("auto", largest k)
 
 
 @dataclass(frozen=True)
@@ -46,8 +55,12 @@ class ServeBenchConfig:
     draft: str
     dtype: str = "bfloat16"
     ks: tuple[int, ...] = (3,)  # block sizes for "draft", each measured side by side
+    auto: bool = True  # also measure "auto" (k up to max(ks))
     max_tokens: int = 96
     concurrencies: tuple[int, ...] = (1, 4, 16)
+    workloads: tuple[str, ...] = ("code",)
+    temperatures: tuple[float, ...] = (0.0,)
+    max_batch_size: int | None = None  # the target's; None: at least the largest concurrency
     repeats: int = 3
     out_dir: str = "benchmarks/results"
     quick: bool = False
@@ -55,28 +68,42 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         if not self.ks or len(set(self.ks)) != len(self.ks) or not all(1 <= k <= 16 for k in self.ks):
             raise ValueError(f"--k for --serve: distinct block sizes from 1 to 16, got {self.ks}")
+        if not self.workloads or any(w not in WORKLOADS for w in self.workloads):
+            raise ValueError(f"--workloads: a list of {WORKLOADS}, got {self.workloads}")
+        if any(t < 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError(f"--temperatures: values >= 0, got {self.temperatures}")
 
     @property
-    def modes(self) -> tuple[int, ...]:
-        """Every mode measured, as k: 0 (speculation off, the baseline) first, then each k."""
-        return (0, *self.ks)
+    def modes(self) -> tuple[Mode, ...]:
+        """Every mode measured: speculation off (the baseline) first, then each fixed k, then auto."""
+        fixed = tuple(("draft", k) for k in self.ks)
+        return (("none", 0), *fixed, *((("auto", max(self.ks)),) if self.auto else ()))
+
+    @property
+    def batch_size(self) -> int:
+        return self.max_batch_size or max(16, *self.concurrencies)
 
 
-def _mode(k: int) -> str:
-    """The label of a speculation mode: "none" for k = 0, else "draft k=<k>"."""
-    return "none" if k == 0 else f"draft k={k}"
+def _mode(mode: Mode) -> str:
+    """The label of a speculation mode: "none", "draft k=<k>" or "auto k<=<k>"."""
+    method, k = mode
+    return {"none": "none", "draft": f"draft k={k}", "auto": f"auto k<={k}"}[method]
 
 
 @dataclass
 class LoadResult:
+    workload: str
+    temperature: float
     concurrency: int
-    k: int  # 0: speculation off
+    mode: Mode
     tokens: int = 0
     wall_seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
+    passes: int = 0
+    mean_k_sum: float = 0.0  # sum over requests of usage.speculation.mean_k times their passes
 
     @property
     def tokens_per_second(self) -> float:
@@ -84,84 +111,93 @@ class LoadResult:
 
 
 class _Stack:
-    """``specd serve`` in its own process group, on free ports."""
+    """Draft, target and gateway (``specd serve``'s commands), each in its own process group."""
 
     def __init__(self, cfg: ServeBenchConfig) -> None:
-        self.port, *others = free_ports(5)
-        args = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
-            "--target",
-            cfg.target,
-            "--draft",
-            cfg.draft,
-            "--dtype",
-            cfg.dtype,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--num-speculative-tokens",
-            str(cfg.ks[0]),  # every request names its own k; this is only the server's default
-        ]
-        for flag in ("--draft-port", "--target-port", "--draft-metrics-port", "--target-metrics-port"):
-            args += [flag, str(others.pop())]
-        self.log = open(Path(cfg.out_dir) / "serve_bench.log.tmp", "wb")  # noqa: SIM115
-        # die_with_parent: a bench killed outright (a test's timeout, say) takes its stack with it.
-        self.proc = subprocess.Popen(
-            args, stdout=self.log, stderr=subprocess.STDOUT, process_group=0, preexec_fn=die_with_parent
+        from services.serve import ServeConfig, _commands
+
+        self.port, draft_port, target_port, draft_metrics, target_metrics = free_ports(5)
+        serve_cfg = ServeConfig(
+            target=cfg.target,
+            draft=cfg.draft,
+            host="127.0.0.1",
+            port=self.port,
+            draft_port=draft_port,
+            target_port=target_port,
+            draft_metrics_port=draft_metrics,
+            target_metrics_port=target_metrics,
+            dtype=cfg.dtype,
         )
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(cfg.out_dir) / "serve_bench.log.tmp", "wb")  # noqa: SIM115
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for name, cmd in _commands(serve_cfg):
+                if name == "target":  # every concurrent stream in one batch
+                    cmd = [*cmd, "--max-batch-size", str(cfg.batch_size)]
+                # die_with_parent: a bench killed outright (a test's timeout, say) takes its stack with it.
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=self.log, stderr=subprocess.STDOUT, process_group=0, preexec_fn=die_with_parent
+                    )
+                )
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + 300
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError("specd serve exited during start-up; see serve_bench.log.tmp")
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("a service exited during start-up; see serve_bench.log.tmp")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError("specd serve did not become healthy")
+                raise TimeoutError("the stack did not become healthy")
             time.sleep(0.3)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the supervisor stops its three children
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        for p in reversed(self.procs):  # gateway first, then target, then draft
+            stop_process_group(p, grace=30)
         self.log.close()
 
 
-async def _one_stream(client: httpx.AsyncClient, prompt: str, k: int, cfg: ServeBenchConfig, res: LoadResult):
+def _body(workload: str, prompt: str, mode: Mode, temperature: float, cfg: ServeBenchConfig) -> tuple[str, dict]:
+    method, k = mode
     body = {
-        "prompt": prompt,
         "max_tokens": cfg.max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
         "ignore_eos": True,
         "stream": True,
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
-        "speculation": {"method": "draft" if k else "none", "num_tokens": k},
+        "speculation": {"method": method, "num_tokens": k},
     }
+    if workload == "prose":
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+async def _one_stream(client: httpx.AsyncClient, path: str, body: dict, res: LoadResult) -> None:
     t0 = time.perf_counter()
     last = None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    async with client.stream("POST", path, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
             if event.get("usage"):
-                res.proposed += event["usage"]["speculation"]["proposed_tokens"]
-                res.accepted += event["usage"]["speculation"]["accepted_tokens"]
+                sp = event["usage"]["speculation"]
+                res.proposed += sp["proposed_tokens"]
+                res.accepted += sp["accepted_tokens"]
+                res.passes += sp["target_forward_passes"]
+                res.mean_k_sum += sp.get("mean_k", 0.0) * sp["target_forward_passes"]
             if not event["choices"]:
                 continue
             n = len(event["choices"][0].get("token_ids", []))
@@ -177,15 +213,18 @@ async def _one_stream(client: httpx.AsyncClient, prompt: str, k: int, cfg: Serve
             res.tokens += n
 
 
-async def _load(url: str, concurrency: int, k: int, cfg: ServeBenchConfig, prompts: list[str]) -> LoadResult:
-    res = LoadResult(concurrency, k)
+async def _load(
+    url: str, workload: str, temperature: float, concurrency: int, mode: Mode, cfg: ServeBenchConfig, prompts
+) -> LoadResult:
+    res = LoadResult(workload, temperature, concurrency, mode)
     per_worker = max(1, len(prompts) // concurrency) if concurrency <= len(prompts) else 2
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
 
         async def worker(w: int) -> None:
             for j in range(per_worker):
-                await _one_stream(client, prompts[(w + j * concurrency) % len(prompts)], k, cfg, res)
+                path, body = _body(workload, prompts[(w + j * concurrency) % len(prompts)], mode, temperature, cfg)
+                await _one_stream(client, path, body, res)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
@@ -200,10 +239,12 @@ def _merge(into: LoadResult, other: LoadResult) -> None:
     into.gaps += other.gaps
     into.proposed += other.proposed
     into.accepted += other.accepted
+    into.passes += other.passes
+    into.mean_k_sum += other.mean_k_sum
 
 
 class _InProcess:
-    """The engine in this process at batch 1, ``none`` and ``draft`` at each k; passes add into the totals."""
+    """The engine in this process at batch 1, every mode, greedy code; passes add into the totals."""
 
     def __init__(self, cfg: ServeBenchConfig, prompts: list[str]) -> None:
         from services.engine.builder import ModelSpec, build_engine
@@ -214,31 +255,30 @@ class _InProcess:
             ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1)
         )
         self.ids = [tuple(encode_text(self.engine.tokenizer, p)) for p in prompts]
-        self.tokens = {k: 0 for k in cfg.modes}
-        self.seconds = {k: 0.0 for k in cfg.modes}
+        self.tokens = {m: 0 for m in cfg.modes}
+        self.seconds = {m: 0.0 for m in cfg.modes}
         self.run_pass(count=False)  # warm-up
 
-    def run_pass(self, count: bool = True) -> dict[int, float]:
-        """One pass over the prompts in every mode; returns this pass's tokens/s per k (0: none)."""
+    def run_pass(self, count: bool = True) -> dict[Mode, float]:
+        """One pass over the prompts in every mode; returns this pass's tokens/s per mode."""
         params = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens, ignore_eos=True)
         this = {}
-        for k in self.tokens:
+        for mode in self.tokens:
             tokens, seconds = 0, 0.0
             for i, p in enumerate(self.ids):
-                spec = SpecConfig("draft" if k else "none", k)
-                req = Request(f"{k}-{time.monotonic_ns()}-{i}", p, params, spec)
+                req = Request(f"{_mode(mode)}-{time.monotonic_ns()}-{i}", p, params, SpecConfig(*mode))
                 t0 = time.perf_counter()
                 out = self.engine.generate([req])[req.request_id]
                 seconds += time.perf_counter() - t0
                 tokens += len(out.token_ids)
-            this[k] = tokens / seconds
+            this[mode] = tokens / seconds
             if count:
-                self.tokens[k] += tokens
-                self.seconds[k] += seconds
+                self.tokens[mode] += tokens
+                self.seconds[mode] += seconds
         return this
 
-    def totals(self) -> dict[int, float]:
-        return {k: self.tokens[k] / self.seconds[k] for k in self.tokens}
+    def totals(self) -> dict[Mode, float]:
+        return {m: self.tokens[m] / self.seconds[m] for m in self.tokens}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -251,110 +291,161 @@ def _pct(xs: list[float], q: float) -> float:
 def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = CODE_PROMPTS[:2] if cfg.quick else CODE_PROMPTS
+    prompt_sets = {"code": CODE_PROMPTS, "prose": PROSE_QUESTIONS}
+    if cfg.quick:
+        prompt_sets = {w: p[:2] for w, p in prompt_sets.items()}
     concurrencies = (1, 4) if cfg.quick else cfg.concurrencies
     repeats = 1 if cfg.quick else cfg.repeats
-    print("loading the in-process engine ...", flush=True)
-    inproc = _InProcess(cfg, prompts)
-    print(f"starting specd serve ({cfg.dtype}) ...", flush=True)
+    groups = [(w, t) for w in cfg.workloads for t in cfg.temperatures]
+    in_process = ("code", 0.0) in groups and 1 in concurrencies
+    inproc = None
+    if in_process:
+        print("loading the in-process engine ...", flush=True)
+        inproc = _InProcess(cfg, prompt_sets["code"])
+    print(f"starting draft, target (--max-batch-size {cfg.batch_size}) and gateway ({cfg.dtype}) ...", flush=True)
     stack = _Stack(cfg)
-    results: dict[tuple[int, int], LoadResult] = {}
-    pass_shares: dict[int, list[float]] = {k: [] for k in cfg.ks}
+    results: dict[tuple, LoadResult] = {}
+    pass_shares: dict[Mode, list[float]] = {m: [] for m in cfg.modes[1:]}
     try:
-        for k in cfg.modes:  # warm-up, not counted
-            asyncio.run(_load(stack.url, 2, k, cfg, prompts[:2]))
+        for w, t in groups:  # warm-up, not counted
+            for mode in cfg.modes:
+                asyncio.run(_load(stack.url, w, t, 2, mode, cfg, prompt_sets[w][:2]))
         for rep in range(repeats):
-            c1 = {}
-            # Concurrency 1 first and the in-process pass right after it: the two speed-ups that
-            # are compared are then measured within a minute of each other.
-            order = sorted(concurrencies, key=lambda c: c != 1)
-            for n, c in enumerate(order):
-                for k in cfg.modes:
-                    r = asyncio.run(_load(stack.url, c, k, cfg, prompts))
-                    if (c, k) in results:
-                        _merge(results[(c, k)], r)
-                    else:
-                        results[(c, k)] = r
-                    if c == 1:
-                        c1[k] = r.tokens_per_second
-                    print(
-                        f"  pass {rep + 1}: concurrency {c:2d} {_mode(k):10s} {r.tokens_per_second:7.1f} tok/s",
-                        flush=True,
-                    )
-                if n == 0:
-                    ip = inproc.run_pass()
-                    print(
-                        f"  pass {rep + 1}: in-process     "
-                        + "  ".join(f"{_mode(k)} {v:7.1f}" for k, v in ip.items())
-                        + " tok/s",
-                        flush=True,
-                    )
-            if 1 in concurrencies:
-                for k in cfg.ks:
-                    pass_shares[k].append(round((c1[k] / c1[0]) / (ip[k] / ip[0]), 3))
+            for w, t in groups:
+                c1 = {}
+                # Concurrency 1 first and the in-process pass right after it: the two speed-ups that
+                # are compared are then measured within a minute of each other.
+                order = sorted(concurrencies, key=lambda c: c != 1)
+                for n, c in enumerate(order):
+                    for mode in cfg.modes:
+                        r = asyncio.run(_load(stack.url, w, t, c, mode, cfg, prompt_sets[w]))
+                        key = (w, t, c, mode)
+                        if key in results:
+                            _merge(results[key], r)
+                        else:
+                            results[key] = r
+                        if c == 1:
+                            c1[mode] = r.tokens_per_second
+                        print(
+                            f"  pass {rep + 1}: {w:5s} T={t:<4} concurrency {c:2d} {_mode(mode):11s} "
+                            f"{r.tokens_per_second:7.1f} tok/s",
+                            flush=True,
+                        )
+                    if n == 0 and inproc is not None and (w, t) == ("code", 0.0):
+                        ip = inproc.run_pass()
+                        print(
+                            f"  pass {rep + 1}: in-process     "
+                            + "  ".join(f"{_mode(m)} {v:7.1f}" for m, v in ip.items())
+                            + " tok/s",
+                            flush=True,
+                        )
+                        for m in pass_shares:
+                            pass_shares[m].append(round((c1[m] / c1[cfg.modes[0]]) / (ip[m] / ip[cfg.modes[0]]), 3))
     finally:
         stack.stop()
-    doc = _document(cfg, results, inproc.totals(), concurrencies)
-    for k, shares in pass_shares.items():
-        doc["concurrency_1"][_mode(k)]["share_kept_per_pass"] = shares
+    doc = _document(cfg, results, inproc.totals() if inproc else {}, groups, concurrencies)
+    for m, shares in pass_shares.items():
+        if shares:
+            doc["concurrency_1"][_mode(m)]["share_kept_per_pass"] = shares
     (out / "serve_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+    _plot(doc, out / "serve_bench.png")
     print(render(doc))
+    print(f"wrote {out / 'serve_bench.json'} and {out / 'serve_bench.png'}")
     return doc
 
 
-def _document(cfg: ServeBenchConfig, results, inproc: dict[int, float], concurrencies) -> dict:
+def _document(cfg: ServeBenchConfig, results, inproc: dict[Mode, float], groups, concurrencies) -> dict:
     rows = []
-    for c in concurrencies:
-        base = results[(c, 0)]
-        for k in cfg.modes:
-            r = results[(c, k)]
-            rows.append(
-                {
-                    "concurrency": c,
-                    "method": "draft" if k else "none",
-                    "k": k,
-                    "requests": len(r.ttft),
-                    "tokens": r.tokens,
-                    "tokens_per_second": round(r.tokens_per_second, 1),
-                    "speedup": round(r.tokens_per_second / base.tokens_per_second, 3),
-                    "ttft_ms_p50": round(1000 * statistics.median(r.ttft), 2),
-                    "tbt_ms_p50": round(1000 * _pct(r.gaps, 0.5), 2),
-                    "tbt_ms_p99": round(1000 * _pct(r.gaps, 0.99), 2),
-                    "acceptance_rate": round(r.accepted / r.proposed, 3) if r.proposed else None,
-                }
-            )
-    c1 = {k: results[(1, k)].tokens_per_second for k in cfg.modes} if 1 in concurrencies else {}
+    verdicts = []
+    for w, t in groups:
+        for c in concurrencies:
+            base = results[(w, t, c, cfg.modes[0])]
+            for mode in cfg.modes:
+                r = results[(w, t, c, mode)]
+                rows.append(
+                    {
+                        "workload": w,
+                        "temperature": t,
+                        "concurrency": c,
+                        "method": mode[0],
+                        "k": mode[1],
+                        "mode": _mode(mode),
+                        "requests": len(r.ttft),
+                        "tokens": r.tokens,
+                        "tokens_per_second": round(r.tokens_per_second, 1),
+                        "speedup": round(r.tokens_per_second / base.tokens_per_second, 3),
+                        "ttft_ms_p50": round(1000 * statistics.median(r.ttft), 2),
+                        "tbt_ms_p50": round(1000 * _pct(r.gaps, 0.5), 2),
+                        "tbt_ms_p99": round(1000 * _pct(r.gaps, 0.99), 2),
+                        "acceptance_rate": round(r.accepted / r.proposed, 3) if r.proposed else None,
+                        "mean_k": round(r.mean_k_sum / r.passes, 3) if r.passes else 0.0,
+                    }
+                )
+            if cfg.auto:
+                auto = results[(w, t, c, cfg.modes[-1])].tokens_per_second
+                others = {_mode(m): results[(w, t, c, m)].tokens_per_second for m in cfg.modes[:-1]}
+                best = max(others, key=others.get)
+                verdicts.append(
+                    {
+                        "workload": w,
+                        "temperature": t,
+                        "concurrency": c,
+                        "best_other": best,
+                        "auto_vs_best": round(auto / others[best], 3),
+                        "auto_vs_none": round(auto / others["none"], 3),
+                        "fixed_k_losing_to_none": [m for m, v in others.items() if m != "none" and v < others["none"]],
+                    }
+                )
+    c1_modes = {m: inproc[m] for m in cfg.modes} if inproc else {}
     per_mode = {}
-    for k in c1:
-        entry = {
-            "in_process_tokens_per_second": round(inproc[k], 1),
-            "stack_tokens_per_second": round(c1[k], 1),
-            "overhead_ms_per_token": round(1000 * (1 / c1[k] - 1 / inproc[k]), 3),
-        }
-        if k:
-            e2e, local = c1[k] / c1[0], inproc[k] / inproc[0]
-            entry |= {
-                "in_process_speedup": round(local, 3),
-                "stack_speedup": round(e2e, 3),
-                "share_of_in_process_speedup_kept": round(e2e / local, 3),
+    if inproc:
+        base_ip = inproc[cfg.modes[0]]
+        base_st = results[("code", 0.0, 1, cfg.modes[0])].tokens_per_second
+        for m, ip in c1_modes.items():
+            st = results[("code", 0.0, 1, m)].tokens_per_second
+            entry = {
+                "in_process_tokens_per_second": round(ip, 1),
+                "stack_tokens_per_second": round(st, 1),
+                "overhead_ms_per_token": round(1000 * (1 / st - 1 / ip), 3),
             }
-        per_mode[_mode(k)] = entry
-    return {"config": asdict(cfg), "rows": rows, "concurrency_1": per_mode}
+            if m != cfg.modes[0]:
+                e2e, local = st / base_st, ip / base_ip
+                entry |= {
+                    "in_process_speedup": round(local, 3),
+                    "stack_speedup": round(e2e, 3),
+                    "share_of_in_process_speedup_kept": round(e2e / local, 3),
+                }
+            per_mode[_mode(m)] = entry
+    return {"config": asdict(cfg), "rows": rows, "auto_vs_others": verdicts, "concurrency_1": per_mode}
 
 
 def render(doc: dict) -> str:
     """Markdown tables (the README's)."""
     lines = [
-        "| concurrency | speculation | tokens/s | speed-up | TTFT p50 (ms) | TBT p50 (ms) | TBT p99 (ms) "
-        "| acceptance |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | T | concurrency | speculation | tokens/s | speed-up | mean k | acceptance | TTFT p50 (ms) "
+        "| TBT p50 (ms) | TBT p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(
-            f"| {r['concurrency']} | {_mode(r['k'])} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | "
-            f"{r['ttft_ms_p50']:.1f} | {r['tbt_ms_p50']:.2f} | {r['tbt_ms_p99']:.2f} | {acc} |"
+            f"| {r['workload']} | {r['temperature']:g} | {r['concurrency']} | {r['mode']} | "
+            f"{r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['mean_k']:.2f} | {acc} | "
+            f"{r['ttft_ms_p50']:.1f} | {r['tbt_ms_p50']:.2f} | {r['tbt_ms_p99']:.2f} |"
         )
+    if doc.get("auto_vs_others"):
+        lines += [
+            "",
+            "| workload | T | concurrency | best of none / fixed k | auto / best | auto / none "
+            "| fixed k slower than none |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for v in doc["auto_vs_others"]:
+            lines.append(
+                f"| {v['workload']} | {v['temperature']:g} | {v['concurrency']} | {v['best_other']} | "
+                f"**{v['auto_vs_best']:.2f}x** | {v['auto_vs_none']:.2f}x | "
+                f"{', '.join(v['fixed_k_losing_to_none']) or '-'} |"
+            )
     c1 = doc["concurrency_1"]
     if not c1:
         return "\n".join(lines)
@@ -381,3 +472,34 @@ def render(doc: dict) -> str:
                 f"\n{mode}, share kept per pass: {', '.join(f'{100 * x:.0f}%' for x in v['share_kept_per_pass'])}."
             )
     return "\n".join(lines)
+
+
+def _plot(doc: dict, path: Path) -> None:
+    """Tokens/s against concurrency, one line per mode, one panel per (workload, temperature)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["workload"], r["temperature"]) for r in doc["rows"]))
+    cols = min(3, len(groups))
+    nrows = (len(groups) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    for ax, (w, t) in zip(axes.flat, groups):
+        rows = [r for r in doc["rows"] if r["workload"] == w and r["temperature"] == t]
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            pts = sorted((r["concurrency"], r["tokens_per_second"]) for r in rows if r["mode"] == mode)
+            style = {"lw": 2.6, "color": "black"} if mode.startswith("auto") else {"lw": 1.2}
+            if mode == "none":
+                style = {"lw": 2.0, "ls": "--", "color": "grey"}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("tokens/s (all streams)")
+        ax.set_title(f"{w}, {'greedy' if t == 0 else f'T = {t:g}'}")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(groups) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -59,6 +59,8 @@ def _usage(prompt_tokens: int, last) -> dict:
             "proposed_tokens": st.proposed_tokens if st else 0,
             "accepted_tokens": st.accepted_tokens if st else 0,
             "target_forward_passes": st.target_forward_passes if st else 0,
+            # Guesses asked for per verification (for "auto": what the controller chose).
+            "mean_k": round(st.block_tokens / st.target_forward_passes, 3) if st and st.target_forward_passes else 0.0,
         },
     }
 

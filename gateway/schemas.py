@@ -64,7 +64,7 @@ class Speculation(_Strict):
     """specd extension: how this request speculates."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["draft", "ngram", "hybrid", "none"] | None = None
+    method: Literal["auto", "draft", "ngram", "hybrid", "none"] | None = None
     num_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
 
 

@@ -71,10 +71,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from services.engine.builder import ModelSpec, build_engine
     from services.engine.chat import encode_chat, encode_text
-    from services.engine.engine import EngineConfig, Request, SpecConfig
+    from services.engine.engine import AUTO_NUM_TOKENS, FIXED_NUM_TOKENS, EngineConfig, Request, SpecConfig
     from services.engine.sampling import SamplingParams
 
-    draft = args.draft if args.method in ("draft", "hybrid") else None
+    num_tokens = args.num_speculative_tokens
+    if num_tokens is None:
+        num_tokens = AUTO_NUM_TOKENS if args.method == "auto" else FIXED_NUM_TOKENS
+
+    draft = args.draft if args.method in ("auto", "draft", "hybrid") else None
     spec = ModelSpec(
         target=args.target,
         draft=draft,
@@ -100,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    req = Request("cli", tuple(prompt_ids), params, SpecConfig(args.method, args.num_speculative_tokens))
+    req = Request("cli", tuple(prompt_ids), params, SpecConfig(args.method, 0 if args.method == "none" else num_tokens))
     engine.add_request(req)
     token_ids: list[int] = []
     text = ""
@@ -187,7 +191,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 draft_quantize=_quantize(args.draft_quantize),
                 ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5, 6),
                 max_tokens=args.max_tokens,
-                temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                temperatures=tuple(float(t) for t in (args.temperatures or "0,0.8").split(",")),
                 repeats=args.repeats or 1,
                 out_dir=args.out,
                 quick=args.quick,
@@ -205,9 +209,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 target=args.target,
                 draft=args.draft,
                 dtype=args.dtype,
-                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (3,),
+                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5),
+                auto=not args.no_auto,
                 max_tokens=args.max_tokens,
                 concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
+                workloads=tuple(w.strip() for w in args.workloads.split(",")),
+                temperatures=tuple(float(t) for t in (args.temperatures or "0").split(",")),
+                max_batch_size=args.max_batch_size,
                 repeats=args.repeats or 3,
                 out_dir=args.out,
                 quick=args.quick,
@@ -222,7 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         ks=tuple(int(k) for k in args.k.split(",")),
         max_tokens=args.max_tokens,
-        temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+        temperatures=tuple(float(t) for t in (args.temperatures or "0,0.8").split(",")),
         repeats=args.repeats or 2,
         out_dir=args.out,
         quick=args.quick,
@@ -483,11 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument(
         "--method",
-        choices=["draft", "ngram", "hybrid", "none"],
-        default="draft",
-        help="hybrid: n-gram lookup first, the draft model when it finds nothing",
+        choices=["auto", "draft", "ngram", "hybrid", "none"],
+        default="auto",
+        help="auto: k and the drafter chosen per round from measured acceptance and cost; "
+        "hybrid: n-gram lookup first, the draft model when it finds nothing",
     )
-    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="guesses per round (auto: the most; default 6, else 3)"
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(g)
     _add_sampling_args(g)
@@ -495,9 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="engine benchmark: baselines and specd side by side")
     _add_model_args(b)
-    b.add_argument("--k", default=None, help="block sizes to sweep (default 1..8; --serve: 3)")
+    b.add_argument("--k", default=None, help="block sizes to sweep (default 1..8; --serve: 1..5)")
     b.add_argument("--max-tokens", type=int, default=96)
-    b.add_argument("--temperatures", default="0,0.8")
+    b.add_argument("--temperatures", default=None, help="default 0,0.8 (--serve: 0)")
     b.add_argument(
         "--repeats", type=int, default=None, help="interleaved passes over all modes, summed (default 2; --serve 3)"
     )
@@ -523,6 +534,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--duration", type=float, default=300.0, help="--soak: seconds of traffic")
     b.add_argument("--warmup", type=float, default=None, help="--soak: seconds before the memory baseline")
+    b.add_argument("--workloads", default="code", help="--serve: code (completions), prose (chat), or both")
+    b.add_argument(
+        "--max-batch-size", type=int, default=None, help="--serve: the target's (default: the largest concurrency)"
+    )
+    b.add_argument("--no-auto", action="store_true", help="--serve: skip the auto method")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("draft", help="run the gRPC draft service")
@@ -545,11 +561,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_capacity_args(t)
     t.add_argument(
         "--speculation-method",
-        choices=["draft", "ngram", "hybrid", "none"],
+        choices=["auto", "draft", "ngram", "hybrid", "none"],
         default=None,
-        help="default for requests that do not choose (default: draft if a draft address is given, else none)",
+        help="default for requests that do not choose (default: auto, which uses the draft service if given)",
     )
-    t.add_argument("--num-speculative-tokens", type=int, default=3, help="default guesses per round")
+    t.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="default guesses per round (auto: the most it may choose; default 6 for auto, 3 otherwise)",
+    )
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
     t.add_argument(
         "--tensor-parallel-size",
@@ -598,7 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_quantize_arg(s)
     s.add_argument("--device", default="cpu")
     s.add_argument("--api-key", default=None)
-    s.add_argument("--num-speculative-tokens", type=int, default=3)
+    s.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="the target's default (auto: the most; default 6)"
+    )
     _add_capacity_args(s)
     _add_drain_arg(s)
     s.set_defaults(func=cmd_serve)

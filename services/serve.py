@@ -40,7 +40,7 @@ class ServeConfig:
     quantize: str | None = None  # the target's: "int8" | "int4"
     device: str = "cpu"
     api_key: str | None = None
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None  # None: the target's default
     max_batch_size: int = 16
     max_waiting: int = 64
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
@@ -70,7 +70,8 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
             draft += ["--quantize", cfg.draft_quantize]
         cmds.append(("draft", draft))
     target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port, cfg.dtype)
-    target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
+    if cfg.num_speculative_tokens is not None:
+        target += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
     if cfg.quantize:
         target += ["--quantize", cfg.quantize]
     target += ["--max-batch-size", str(cfg.max_batch_size), "--max-waiting", str(cfg.max_waiting)]

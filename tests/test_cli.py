@@ -52,7 +52,7 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
     modes = {r["mode"] for r in doc["rows"]}
     assert modes == {
         "specd-target-only", "hf-generate-bf16", "hf-assisted-bf16", "hf-generate-fp32", "hf-assisted-fp32",
-        "specd-draft", "specd-ngram", "specd-hybrid",
+        "specd-draft", "specd-ngram", "specd-hybrid", "specd-auto",
     }  # fmt: skip
     assert doc["best_draft"]["code/T=0.0"]["vs_hf_assisted"] > 0
     draft_rows = [r for r in doc["rows"] if r["mode"] == "specd-draft"]
@@ -62,15 +62,19 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
             "acceptance_rate",
             "tokens_per_target_forward",
             "predicted_speedup",
+            "oracle_speedup",
             "speedup_vs_specd_target_only",
         } <= set(r)
+        assert r["oracle_speedup"] > 0
+    auto = [r for r in doc["rows"] if r["mode"] == "specd-auto"]
+    assert auto and all(r["k"] == 3 and 0 <= r["mean_k"] <= 3 for r in auto)
     assert doc["costs_ms"]["c"] > 0
     assert (tmp_path / "engine_bench.png").stat().st_size > 10_000
 
 
 def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> None:
-    """``bench --serve`` starts a real stack, sends every mode through it and through the engine,
-    and reports each k against the same baseline (no timing is asserted)."""
+    """``bench --serve`` starts a real stack, sends every mode (none, fixed k, auto) through it and
+    through the engine, and reports each against the same baseline (no timing is asserted)."""
     target, draft = tiny_pair
     res = _specd(
         "bench", "--serve", "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--quick",
@@ -78,16 +82,21 @@ def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> Non
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     doc = json.loads((tmp_path / "serve_bench.json").read_text())
-    rows = {(r["concurrency"], r["k"]): r for r in doc["rows"]}
-    assert set(rows) == {(c, k) for c in (1, 4) for k in (0, 2, 3)}
-    for (_, k), r in rows.items():
-        assert r["method"] == ("none" if k == 0 else "draft")
+    modes = ("none", "draft k=2", "draft k=3", "auto k<=3")
+    rows = {(r["concurrency"], r["mode"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, m) for c in (1, 4) for m in modes}
+    for (_, mode), r in rows.items():
+        assert r["method"] == mode.split()[0]
         assert r["tokens"] == 8 * r["requests"] and r["requests"] > 0  # every token came back
-        assert (r["acceptance_rate"] is None) == (k == 0)
+        assert (r["acceptance_rate"] is None) == (mode == "none") or r["method"] == "auto"
+        assert 0 <= r["mean_k"] <= 3 and (r["mean_k"] == 0) == (mode == "none") or r["method"] == "auto"
     c1 = doc["concurrency_1"]
-    assert set(c1) == {"none", "draft k=2", "draft k=3"}
-    for mode in ("draft k=2", "draft k=3"):
+    assert set(c1) == set(modes)
+    for mode in modes[1:]:
         assert c1[mode]["share_of_in_process_speedup_kept"] > 0
         assert len(c1[mode]["share_kept_per_pass"]) == 1
         assert c1[mode]["in_process_tokens_per_second"] > 0
-    assert "| 1 | draft k=3 |" in res.stdout
+    verdicts = doc["auto_vs_others"]
+    assert [v["concurrency"] for v in verdicts] == [1, 4] and all(v["auto_vs_best"] > 0 for v in verdicts)
+    assert "| code | 0 | 1 | draft k=3 |" in res.stdout and "auto / best" in res.stdout
+    assert (tmp_path / "serve_bench.png").stat().st_size > 10_000

@@ -89,13 +89,19 @@ class NGramDrafter:
         """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
         arr = np.asarray(tokens, dtype=np.int64)
         L = len(arr)
+        # Candidate matches end where the context's last token occurs earlier (positions 0..L-2, so
+        # each has at least one token after it and the suffix itself is excluded); a suffix of n
+        # tokens then only needs its other n-1 tokens checked at those few places, instead of
+        # comparing every window of the context (the per-round cost was n full passes).
+        ends = np.flatnonzero(arr[:-1] == arr[-1])
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            # Windows start at 0..L-n-1, so each has at least one token after it and the suffix
-            # itself (starting at L-n) is excluded.
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-            hits = np.flatnonzero((windows == arr[L - n :]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
+            cand = ends[ends >= n - 1]
+            for j in range(1, n):
+                if not cand.size:
+                    break
+                cand = cand[arr[cand - j] == arr[L - 1 - j]]
+            if cand.size:
+                start = int(cand[-1]) + 1
                 return arr[start : start + k].tolist()
         return []
 

@@ -11,6 +11,9 @@ One :meth:`Engine.step` is one round for every running sequence:
 5. **evict** finished sequences and free their slots.
 
 Speculation off (method "none") runs the very same path with zero guesses, so it is the baseline.
+Method "auto" (the default) lets :mod:`services.engine.controller` pick each round, per sequence,
+k in 0..num_tokens and the drafter (n-gram where it has a match, the draft model, or none) from
+what earlier rounds measured; k depends only on the past, so the output law is unchanged.
 
 Cache invariant: for every running sequence, both caches hold all committed tokens but the last; the
 last one is the first input of the next round.
@@ -25,6 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.controller import (
+    DRAFTER_NAMES,
+    MODEL,
+    NGRAM,
+    ControllerConfig,
+    RowPlan,
+    SeqAcceptance,
+    SpeculationController,
+)
 from services.engine.detokenize import Detokenizer
 from services.engine.drafters import Drafter, DraftRow, ModelDrafter, NGramDrafter
 from services.engine.model import BatchLayout, CausalLM, check_same_vocab
@@ -33,17 +45,22 @@ from services.engine.sampling import BatchSampling, SamplingParams, make_generat
 from services.engine.stats import SpecStats
 
 # "hybrid": n-gram lookup first; rows without a match this round ask the draft model.
-METHODS = ("draft", "ngram", "hybrid", "none")
+# "auto": the controller chooses k and the drafter per sequence and round (the draft model only if loaded).
+METHODS = ("auto", "draft", "ngram", "hybrid", "none")
 USES_DRAFT_MODEL = ("draft", "hybrid")
 MAX_SPECULATIVE_TOKENS = 16
+AUTO_NUM_TOKENS = 6  # largest k "auto" may choose unless the request says otherwise
+FIXED_NUM_TOKENS = 3  # default k of the fixed methods (best measured k for the demo pair, README)
+# Who made a row's verified guesses, by the controller's drafter code (NGRAM, MODEL, -1 = nobody).
+DRAFTER_LABELS = (*DRAFTER_NAMES, "none")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """How one request speculates."""
 
-    method: str = "draft"
-    num_tokens: int = 4
+    method: str = "auto"
+    num_tokens: int = AUTO_NUM_TOKENS  # for "auto": the largest k allowed
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -89,6 +106,8 @@ class StepOutput:
     stats: SpecStats | None = None
     proposed: int = 0  # guesses verified for this request this round
     accepted: int = 0  # of which the target kept this many
+    k: int = 0  # block size asked of the drafter this round (0: decoded without speculation)
+    drafter: str = "none"  # who made the verified guesses: "draft", "ngram" or "none"
 
 
 @dataclass
@@ -110,6 +129,7 @@ class _Seq:
     detok: Detokenizer
     prompt_len: int
     stats: SpecStats = field(default_factory=SpecStats)
+    acceptance: SeqAcceptance = field(default_factory=lambda: SeqAcceptance(MAX_SPECULATIVE_TOKENS))
 
     @property
     def generated(self) -> int:
@@ -152,6 +172,7 @@ class Engine:
         self.rounds = 0  # batched target forward passes
         self.last_round = RoundInfo()
         self.device = target.device
+        self.controller = SpeculationController(ControllerConfig(kmax=MAX_SPECULATIVE_TOKENS))
 
     # -------------------------------------------------------------------------- requests
 
@@ -194,8 +215,15 @@ class Engine:
             return outputs
         seqs = list(self.running.values())
         ks = [self._block_size(s) for s in seqs]
+        routes = [s.req.spec.method for s in seqs]  # per row: who guesses this round
+        planned = any(r == "auto" for r in routes) and max(ks) > 0
+        matched: dict[int, torch.Tensor] = {}
+        if planned:
+            ks, routes, matched = self._plan(seqs, ks, routes)
         t0 = time.perf_counter()
-        guesses, q, from_model = self._propose(seqs, ks)  # [B, K], [B, K, V] | None, [B] host bools
+        # [B, K], [B, K, V] | None, per row NGRAM / MODEL / -1, and the draft model's share of the work
+        guesses, q, drafted, model_work = self._propose(seqs, ks, routes, matched)
+        from_model = [d == MODEL for d in drafted]
         t1 = time.perf_counter()
         K = guesses.shape[1]
         last = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
@@ -208,8 +236,10 @@ class Engine:
         guessed = (guesses >= 0).sum(dim=1, keepdim=True)
         host = torch.cat([token_ids, num_emitted.unsqueeze(1), guessed], dim=1).tolist()
         self.last_round = RoundInfo(len(seqs), t1 - t0, time.perf_counter() - t1)
-        for seq, row, drafted in zip(seqs, host, from_model):
-            outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], model_drafted=drafted))
+        for seq, row, d, k in zip(seqs, host, drafted, ks):
+            outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], drafter=d, k=k))
+        if planned:
+            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t1)
         return outputs
 
     def _evict_aborted(self) -> list[StepOutput]:
@@ -243,42 +273,105 @@ class Engine:
                 detok=Detokenizer(self.tokenizer, req.params.stop),
                 prompt_len=len(prompt),
             )
-            if req.spec.method in USES_DRAFT_MODEL:
+            if self._may_use_model(req):
                 self.drafters["draft"].add(req.request_id, prompt, req.params)
             self.running[req.request_id] = seq
+
+    def _may_use_model(self, req: Request) -> bool:
+        return req.spec.method in USES_DRAFT_MODEL or (req.spec.method == "auto" and "draft" in self.drafters)
 
     def _block_size(self, seq: _Seq) -> int:
         """Guesses worth making: never past max_tokens or the context."""
         remaining = min(seq.req.params.max_tokens - seq.generated, self.max_len - len(seq.tokens))
         return max(0, min(seq.req.spec.k, remaining - 1))
 
-    def _propose(self, seqs: list[_Seq], ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, list[bool]]:
-        """Guesses [B, K] (-1 = none), model-draft probabilities [B, K, V] (None if no model drafted),
-        and, per row, whether its guesses came from the draft model (else point masses or none).
+    def _plan(
+        self, seqs: list[_Seq], ks: list[int], routes: list[str]
+    ) -> tuple[list[int], list[str], dict[int, torch.Tensor]]:
+        """The controller's choice for the "auto" rows: their k and route ("draft", "ngram", "none"),
+        and their n-gram guesses where the n-gram was chosen. Other rows keep their method and k
+        and are priced in as they are (they set a minimum width of the round)."""
+        lookup = self.drafters["ngram"]
+        have_model = "draft" in self.drafters
+        matches: dict[int, list[int]] = {}
+        rows = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            p = seq.req.params
+            if routes[i] == "auto":
+                if k > 0:
+                    match = lookup.lookup(seq.tokens, k)  # numpy over the context, as "ngram" does
+                    if match:
+                        matches[i] = match
+                # A seeded sampled request is planned from its own history alone, so it repeats
+                # exactly whatever shares its batch and however fast the rounds run.
+                deterministic = not p.greedy and p.seed is not None
+                rows.append(
+                    RowPlan(seq.acceptance, p.greedy, k, len(matches.get(i, ())), have_model, -1, -1, deterministic)
+                )
+            else:
+                drafter = {"draft": MODEL, "hybrid": MODEL, "ngram": NGRAM}.get(routes[i], -1)
+                rows.append(RowPlan(seq.acceptance, p.greedy, k, 0, False, k if drafter >= 0 else 0, drafter))
+        choice = self.controller.plan(rows, max(ks))
+        ks, routes = list(ks), list(routes)
+        pre: dict[int, torch.Tensor] = {}
+        for i in range(len(seqs)):
+            if routes[i] != "auto":
+                continue
+            k, d = int(choice.ks[i]), int(choice.drafters[i])
+            ks[i] = k
+            if k == 0:
+                routes[i] = "none"
+            elif d == NGRAM:
+                routes[i] = "ngram"
+                pre[i] = torch.tensor(matches[i][:k], dtype=torch.long)
+            else:
+                routes[i] = "draft"
+        return ks, routes, pre
 
+    def _observe(
+        self, seqs: list[_Seq], host: list[list[int]], drafted: list[int], width: int, model_work, seconds: float
+    ) -> None:
+        """Feed the controller what this round did: per row who guessed, how many, how many passed;
+        and the round's timings."""
+        rows = []
+        for seq, row, d in zip(seqs, host, drafted):
+            proposed, emitted = row[-1], row[-2]
+            rows.append((seq.acceptance, seq.req.params.greedy, d if proposed > 0 else -1, proposed, emitted - 1))
+        self.controller.observe_rows(rows)
+        steps, model_rows, model_seconds = model_work
+        self.controller.observe_costs(len(seqs), width, seconds, steps, model_rows, model_seconds)
+
+    def _propose(
+        self, seqs: list[_Seq], ks: list[int], routes: list[str], planned: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], tuple[int, int, float]]:
+        """Guesses [B, K] (-1 = none), model-draft probabilities [B, K, V] (None if no model drafted),
+        per row who guessed (MODEL: the draft model; NGRAM: point masses; -1: nobody), and the draft
+        model's work (steps, rows, seconds).
+
+        ``routes`` says per row who is asked ("draft", "ngram", "hybrid", "none"); ``planned`` holds
+        n-gram guesses already looked up (by the controller's planning).
         K is the widest block actually proposed, so rounds without guesses verify a single token.
         """
         B = len(seqs)
         active = [i for i, k in enumerate(ks) if k > 0]
         # n-gram lookup first (plain "ngram" rows, and "hybrid" rows, which fall back to the model).
-        ngram_idx = [i for i in active if seqs[i].req.spec.method in ("ngram", "hybrid")]
-        matched: dict[int, torch.Tensor] = {}
+        ngram_idx = [i for i in active if routes[i] in ("ngram", "hybrid") and i not in planned]
+        matched: dict[int, torch.Tensor] = {i: g for i, g in planned.items() if ks[i] > 0}
         if ngram_idx:
             rows = [self._draft_row(seqs[i], ks[i], sampled_draft=False) for i in ngram_idx]
             prop = self.drafters["ngram"].propose(rows, None)
             for row, i in enumerate(ngram_idx):
                 if prop.token_ids.shape[1] and prop.token_ids[row, 0] >= 0:  # host tensor: no sync
                     matched[i] = prop.token_ids[row]
-        model_idx = [
-            i
-            for i in active
-            if seqs[i].req.spec.method == "draft" or (seqs[i].req.spec.method == "hybrid" and i not in matched)
-        ]
+        model_idx = [i for i in active if routes[i] == "draft" or (routes[i] == "hybrid" and i not in matched)]
         model_prop = None
+        model_seconds = 0.0
         if model_idx:
+            t0 = time.perf_counter()
             sampling = BatchSampling.from_params([seqs[i].req.params for i in model_idx], self.device)
             rows = [self._draft_row(seqs[i], ks[i], sampled_draft=True) for i in model_idx]
             model_prop = self.drafters["draft"].propose(rows, sampling)
+            model_seconds = time.perf_counter() - t0
         width_model = model_prop.token_ids.shape[1] if model_prop is not None else 0
         K = max([width_model] + [int((g >= 0).sum()) for g in matched.values()])
         guesses = torch.full((B, K), -1, dtype=torch.long)
@@ -293,7 +386,9 @@ class Engine:
                 q = torch.zeros((B, K, model_prop.probs.shape[-1]), device=self.device)
                 q[idx_t, :width_model] = model_prop.probs
         model_set = set(model_idx)
-        return guesses, q, [i in model_set for i in range(B)]
+        drafted = [MODEL if i in model_set else NGRAM if i in matched else -1 for i in range(B)]
+        steps = max((ks[i] for i in model_idx), default=0)
+        return guesses, q, drafted, (steps, len(model_idx), model_seconds)
 
     def _draft_row(self, seq: _Seq, k: int, sampled_draft: bool) -> DraftRow:
         greedy = seq.req.params.greedy
@@ -334,11 +429,11 @@ class Engine:
             token_ids[r], num_emitted[r] = t, n
         return token_ids, num_emitted
 
-    def _emit(self, seq: _Seq, new: list[int], proposed: int, model_drafted: bool) -> StepOutput:
+    def _emit(self, seq: _Seq, new: list[int], proposed: int, drafter: int, k: int) -> StepOutput:
         accepted = len(new) - 1
-        seq.stats.record_round(proposed, accepted, len(new))
-        self.totals.record_round(proposed, accepted, len(new))
-        if model_drafted:
+        seq.stats.record_round(proposed, accepted, len(new), k)
+        self.totals.record_round(proposed, accepted, len(new), k)
+        if drafter == MODEL:
             self.drafters["draft"].accepted(seq.req.request_id, accepted)
         params = seq.req.params
         reason = None
@@ -368,12 +463,14 @@ class Engine:
             seq.stats,
             proposed=proposed,
             accepted=accepted,
+            k=k,
+            drafter=DRAFTER_LABELS[drafter] if proposed > 0 else "none",
         )
 
     def _release(self, seq: _Seq) -> None:
         self.running.pop(seq.req.request_id, None)
         self.cache.release(seq.slot)
-        if seq.req.spec.method in USES_DRAFT_MODEL:
+        if self._may_use_model(seq.req):
             self.drafters["draft"].remove(seq.req.request_id)
 
     # ------------------------------------------------------------------------ helpers

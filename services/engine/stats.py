@@ -22,18 +22,26 @@ class SpecStats:
     rejections: int = 0  # rounds that ended on a rejected guess (the rest accepted all they made)
     accepted_per_position: list[int] = field(default_factory=list)  # [j] = times guess j+1 was accepted
     proposed_per_position: list[int] = field(default_factory=list)  # [j] = times guess j+1 was made
+    block_tokens: int = 0  # sum over rounds of the block size k asked for (mean k = this / passes)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
     @property
+    def mean_block_size(self) -> float:
+        """Mean k per verification (what "auto" chose; the fixed k otherwise, shortened at the end)."""
+        return self.block_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+
+    @property
     def tokens_per_forward(self) -> float:
         return self.emitted_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
 
-    def record_round(self, proposed: int, accepted: int, emitted: int) -> None:
-        """One verification of this request: ``proposed`` guesses, the first ``accepted`` kept."""
+    def record_round(self, proposed: int, accepted: int, emitted: int, k: int | None = None) -> None:
+        """One verification of this request: ``proposed`` guesses, the first ``accepted`` kept
+        (``k``: the block size asked for, when it differs from what was proposed)."""
         self.target_forward_passes += 1
+        self.block_tokens += proposed if k is None else k
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
@@ -51,6 +59,7 @@ class SpecStats:
         self.target_forward_passes += other.target_forward_passes
         self.emitted_tokens += other.emitted_tokens
         self.rejections += other.rejections
+        self.block_tokens += other.block_tokens
         for mine, theirs in (
             (self.accepted_per_position, other.accepted_per_position),
             (self.proposed_per_position, other.proposed_per_position),
@@ -66,4 +75,5 @@ class SpecStats:
             "accepted_tokens": self.accepted_tokens,
             "target_forward_passes": self.target_forward_passes,
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_k": round(self.mean_block_size, 3),
         }

@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--device", default="cpu", help="cpu, or cuda: one GPU per draft and per target rank")
     up.add_argument("--cpus-per-draft", type=float, default=1.0)
     up.add_argument("--cpus-per-target-rank", type=float, default=1.0)
-    up.add_argument("--num-speculative-tokens", type=int, default=3)
+    up.add_argument("--num-speculative-tokens", type=int, default=None, help="the targets' default k")
     up.add_argument("--log-dir", default="/tmp/specd-ray", help="service logs, on each node")
     up.set_defaults(func=cmd_up)
 

@@ -52,7 +52,7 @@ class RayDeployConfig:
     device: str = "cpu"  # "cuda": one GPU per draft and per target rank
     cpus_per_draft: float = 1.0
     cpus_per_target_rank: float = 1.0
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None  # None: the target's default
     start_timeout: float = 600.0
     drain_timeout: float = 600.0  # longest wait for a removed target's requests to finish
     log_dir: str = "/tmp/specd-ray"
@@ -185,7 +185,8 @@ class Controller:
     def _add_targets(self, n: int) -> None:
         cfg = self.cfg
         argv = ["target", "--model", cfg.target_model, "--dtype", cfg.dtype, "--device", cfg.device]
-        argv += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
+        if cfg.num_speculative_tokens is not None:
+            argv += ["--num-speculative-tokens", str(cfg.num_speculative_tokens)]
         argv += ["--tensor-parallel-size", str(cfg.target_tp)]
         if self.drafts:
             argv += ["--draft-address", ",".join(d.address for d in self.drafts)]

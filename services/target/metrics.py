@@ -14,7 +14,7 @@ from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.engine import StepOutput
+from services.engine.engine import DRAFTER_LABELS, StepOutput
 
 DRAFT_TOKENS = Counter("specd_spec_draft_tokens", "Draft tokens proposed and verified")
 ACCEPTED_TOKENS = Counter("specd_spec_accepted_tokens", "Draft tokens the target accepted")
@@ -42,6 +42,23 @@ DRAFT_ROUND_SECONDS = Histogram(
 BATCH_SIZE = Histogram(
     "specd_batch_size", "Sequences verified together in one target pass", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64)
 )
+BLOCK_SIZE = Histogram(
+    "specd_spec_block_size",
+    "Guesses asked for per sequence per round: what the auto controller chose (0: no speculation), "
+    "or the fixed method's k",
+    buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
+)
+ROWS_WITHOUT_SPECULATION = Counter(
+    "specd_spec_rows_without_speculation",
+    "Per-sequence verifications that verified no guess (k = 0, or the drafter had none)",
+)
+VERIFICATIONS_BY_DRAFTER = Counter(
+    "specd_spec_verifications_by_drafter",
+    "Per-sequence verifications by who made the guesses (draft, ngram, or none)",
+    ["drafter"],
+)
+for _label in DRAFTER_LABELS:
+    VERIFICATIONS_BY_DRAFTER.labels(drafter=_label)  # exported as 0 from the start
 REQUESTS_RUNNING = Gauge("specd_requests_running", "Requests admitted or queued on this target")
 KV_SLOTS_USED = Gauge("specd_kv_slots_used", "Target KV cache slots holding a sequence (0 when idle: nothing leaked)")
 REQUESTS_REJECTED = Counter(
@@ -78,6 +95,10 @@ class SpecExporter:
             if out.finish_reason == "abort":
                 continue  # evicted, not verified
             VERIFICATIONS.inc()
+            BLOCK_SIZE.observe(out.k)
+            VERIFICATIONS_BY_DRAFTER.labels(drafter=out.drafter).inc()
+            if out.proposed == 0:
+                ROWS_WITHOUT_SPECULATION.inc()
             proposed += out.proposed
             accepted += out.accepted
             for j in range(out.accepted):

@@ -21,7 +21,15 @@ from services.common.grpc_server import CHANNEL_OPTIONS, start_metrics_server
 from services.common.main_thread import serve_with_main_thread
 from services.common.tls import TLSConfig, aio_channel
 from services.engine.chat import encode_chat, encode_text
-from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, Request, SpecConfig, StepOutput
+from services.engine.engine import (
+    AUTO_NUM_TOKENS,
+    FIXED_NUM_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    Engine,
+    Request,
+    SpecConfig,
+    StepOutput,
+)
 from services.target import metrics
 from services.target.loop import EngineLoop
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -38,8 +46,8 @@ class TargetServerConfig(ServiceConfig):
     # fails at once with RESOURCE_EXHAUSTED (the gateway answers 429 when every target is full).
     max_waiting: int = 64
     discovery_interval: float = 5.0  # seconds between DNS re-resolutions of the draft addresses
-    default_method: str | None = None  # None: "draft" with draft addresses, else "none"
-    default_num_tokens: int = 3  # best measured k for the demo pair (README, engine benchmark)
+    default_method: str | None = None  # None: "auto" (the draft model is one of its drafters when addresses are given)
+    default_num_tokens: int | None = None  # None: AUTO_NUM_TOKENS for "auto", FIXED_NUM_TOKENS otherwise
     draft_round_timeout: float = 2.0
     tensor_parallel_size: int = 1  # shard the target over this many processes (services/engine/tensor_parallel.py)
     quantize: str | None = None  # "int8" | "int4": serve the target quantized at load
@@ -53,7 +61,13 @@ class TargetServerConfig(ServiceConfig):
 
     @property
     def method(self) -> str:
-        return self.default_method or ("draft" if self.draft_addresses else "none")
+        return self.default_method or "auto"
+
+    def num_tokens(self, method: str) -> int:
+        """The k a request of ``method`` gets when it names none (for "auto": the largest k)."""
+        if self.default_num_tokens is not None:
+            return self.default_num_tokens
+        return AUTO_NUM_TOKENS if method == "auto" else FIXED_NUM_TOKENS
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -128,7 +142,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         params = sampling_from_pb(msg.sampling, max_tokens=max_tokens, stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)
         sp = msg.speculation
         method = sp.method or self.cfg.method
-        num = sp.num_tokens or self.cfg.default_num_tokens
+        num = sp.num_tokens or self.cfg.num_tokens(method)
         spec = SpecConfig(method, 0 if method == "none" else num)
         req = Request(msg.request_id or uuid.uuid4().hex, tuple(prompt), params, spec)
         self.engine.validate(req)
@@ -149,6 +163,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 proposed_tokens=st.proposed_tokens,
                 accepted_tokens=st.accepted_tokens,
                 target_forward_passes=st.target_forward_passes,
+                block_tokens=st.block_tokens,
             )
             if st is not None
             else None,
@@ -275,7 +290,7 @@ def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tup
         for a in drafter.addresses:
             metrics.DRAFT_FAILURES.labels(endpoint=a)  # exported as 0 from the start
     engine = Engine(target, tokenizer, None, EngineConfig(cfg.max_batch_size, cfg.max_model_len), drafter=drafter)
-    methods = ["ngram", "none"] + (["draft", "hybrid"] if drafter else [])
+    methods = ["auto", "ngram", "none"] + (["draft", "hybrid"] if drafter else [])
     info = common_pb2.InfoResponse(
         model_name=cfg.model_name,
         vocab_size=target.info.vocab_size,

@@ -132,7 +132,10 @@ def drive_traffic(url: str, seconds: float, clients: int) -> dict:
                     "temperature": 0.0 if n % 2 == 0 else 0.8,
                     "seed": 100 * i + n,
                     "stream": True,
-                    "speculation": {"method": "draft", "num_tokens": 2 + (i + n) % 3},
+                    # Half fixed k, half the auto controller (whose block-size panels need data).
+                    "speculation": {"method": "draft", "num_tokens": 2 + (i + n) % 3}
+                    if (i + n) % 2
+                    else {"method": "auto"},
                 }
                 chunks = 0
                 try:

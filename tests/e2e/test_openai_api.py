@@ -64,7 +64,7 @@ def test_greedy_through_the_stack_is_token_identical_to_target_alone(stack, refe
     for prompt in PROMPTS[:4]:
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         want_ids, want_text = reference(reference_engine, ids, 64)
-        for method in ("draft", "ngram", "hybrid"):
+        for method in ("draft", "ngram", "hybrid", "auto"):
             r = httpx.post(
                 stack.url + "/v1/completions",
                 json={
@@ -80,6 +80,7 @@ def test_greedy_through_the_stack_is_token_identical_to_target_alone(stack, refe
             assert r["choices"][0]["text"] == want_text
             if method == "draft":
                 assert r["usage"]["speculation"]["proposed_tokens"] > 0
+                assert r["usage"]["speculation"]["mean_k"] == pytest.approx(4.0, abs=0.5)
 
 
 def test_eight_concurrent_streams(stack, reference_engine) -> None:

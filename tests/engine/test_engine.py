@@ -47,10 +47,11 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "hybrid", "auto"])
 def test_greedy_identity_with_transformers_for_k_1_to_8(engine: Engine, hf_target, method: str) -> None:
     refs = {p: _hf_greedy(hf_target, _ids(engine, p), 24) for p in PROMPTS}
-    for k in range(1, 9):
+    # "auto" picks k (up to num_tokens) and the drafter per row and round itself.
+    for k in (2, 8) if method == "auto" else range(1, 9):
         reqs = [
             Request(f"{method}{k}-{i}", _ids(engine, p), _greedy(24), SpecConfig(method, k))
             for i, p in enumerate(PROMPTS)
@@ -84,6 +85,28 @@ def test_batch_equals_each_alone_greedy_and_seeded(engine: Engine) -> None:
     for r in reqs:
         alone = engine.generate([r])[r.request_id]
         assert alone.token_ids == together[r.request_id].token_ids, r
+
+
+def test_auto_batch_equals_each_alone_greedy_and_seeded(engine: Engine) -> None:
+    """Method "auto": rows batched with each other and with fixed methods give what each gives alone: greedy
+    ones because any k yields the target's greedy tokens, seeded sampled ones because they are
+    planned from their own history only. Unseeded sampled auto rows (planned from timings) finish."""
+    seeded = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=7, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=30, seed=8, ignore_eos=True),
+    ]
+    specs = [("auto", 6), ("auto", 6), ("auto", 3), ("draft", 2), ("auto", 8), ("ngram", 4)]
+    params = [_greedy(30), seeded[0], _greedy(30), seeded[1], seeded[1], _greedy(30)]
+    reqs = [Request(f"au{i}", _ids(engine, p), params[i], SpecConfig(*specs[i])) for i, p in enumerate(PROMPTS)]
+    unseeded = Request("au-free", _ids(engine, PROMPTS[0]), SamplingParams(0.8, max_tokens=30, ignore_eos=True))
+    together = engine.generate([*reqs, unseeded])
+    auto_stats = [together[r.request_id].stats for r in reqs if r.spec.method == "auto"]
+    assert sum(s.proposed_tokens for s in auto_stats) > 0 and any(s.mean_block_size > 0 for s in auto_stats)
+    assert len(together["au-free"].token_ids) == 30 and together["au-free"].finish_reason == "length"
+    for r in reqs:
+        alone = engine.generate([r])[r.request_id]
+        assert alone.token_ids == together[r.request_id].token_ids, r
+    assert engine.active_slots == 0 and engine.drafters["draft"].active == 0
 
 
 def test_requests_join_between_rounds(engine: Engine) -> None:

@@ -2,7 +2,8 @@
 
 On the micro pair (12-token vocabulary) the exact joint law of the first three generated tokens is
 enumerated from the target with transformers. The engine then samples thousands of seeded requests
-with draft-model speculation, batched, and a chi-square test compares the two. The same test with a
+with speculation (the draft model; hybrid; auto, the controller's per-row choice of k and drafter),
+batched, and a chi-square test compares the two. The same test with a
 deliberately wrong rejection sampler must fail, which shows the test has power.
 """
 
@@ -27,6 +28,8 @@ SETTINGS = [
     pytest.param(1.0, 1.0, "draft", id="T1.0-draft"),
     pytest.param(0.7, 0.9, "draft", id="T0.7-top_p0.9-draft"),
     pytest.param(1.0, 1.0, "hybrid", id="T1.0-hybrid"),  # rounds mix point-mass and model guesses
+    # The controller's choice: k 0..3 and the drafter per row and round, from each row's own history.
+    pytest.param(0.7, 0.9, "auto", id="T0.7-top_p0.9-auto"),
 ]
 
 

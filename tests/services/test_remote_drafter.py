@@ -174,3 +174,44 @@ def test_sampled_rows_decode_without_guesses_when_no_draft_answers(micro_pair) -
     for i in range(len(prompts)):
         assert len(spec[f"draft{i}"].token_ids) == 12
         assert spec[f"draft{i}"].token_ids == base[f"none{i}"].token_ids
+
+
+def test_remote_drafter_with_per_sequence_k_that_skips_rounds(micro_pair, micro_draft_service) -> None:
+    """Method "auto" over a remote draft: each sequence's k changes every round and is often 0 (the
+    sequence is then not sent at all), so the draft must catch up with several rounds of tokens at
+    once. Greedy output still equals the target alone, and every guess asked for arrives (a desync
+    would make the draft drop the sequence and the round go without guesses)."""
+    import numpy as np
+
+    from services.engine.controller import MODEL, Choice, SpeculationController
+
+    class Alternating(SpeculationController):
+        """0, 1, 2, 3, 0, ... per row, shifted by row: k forced, the rest of the controller real."""
+
+        rounds = 0
+
+        def plan(self, rows, kmax):
+            super().plan(rows, kmax)
+            self.rounds += 1
+            ks = np.array([min((self.rounds + i) % 4, r.cap) if r.model_ok else 0 for i, r in enumerate(rows)])
+            return Choice(ks, np.where(ks > 0, MODEL, -1), int(ks.max()), int(ks.max()), 0.0, 1.0)
+
+    engine = _remote_engine(micro_pair, micro_draft_service)
+    engine.controller = Alternating()
+    prompts = [(3, 7, 5, 9), (1, 2, 3), (4, 4, 4, 4, 4), (11, 0, 6)]
+    greedy = SamplingParams(0.0, max_tokens=30, ignore_eos=True)
+    sampled = SamplingParams(0.9, max_tokens=30, seed=5, ignore_eos=True)
+    try:
+        spec = engine.generate(
+            [Request(f"a{i}", p, greedy, SpecConfig("auto", 3)) for i, p in enumerate(prompts)]
+            + [Request("sampled", prompts[0], sampled, SpecConfig("auto", 3))]
+        )
+        base = engine.generate([Request(f"b{i}", p, greedy, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
+    finally:
+        engine.drafters["draft"].close()
+    for i in range(len(prompts)):
+        assert spec[f"a{i}"].token_ids == base[f"b{i}"].token_ids
+    for r in spec.values():
+        assert len(r.token_ids) == 30
+        assert r.stats.proposed_tokens == r.stats.block_tokens > 0  # every guess asked for came back
+        assert r.stats.target_forward_passes > 30 / 4  # rounds with k = 0 did happen

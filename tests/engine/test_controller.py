@@ -1,0 +1,237 @@
+"""The speculation controller (services/engine/controller.py) on synthetic statistics and costs.
+
+Pure functions, no models: acceptance 0 gives k = 0, acceptance near 1 with a cheap draft gives
+kmax, a compute-bound verify makes k shrink as the batch grows; and properties over random inputs
+(k within its bounds, the decision is no worse than any fixed k, more acceptance never gives less).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.engine.controller import (
+    MODEL,
+    NGRAM,
+    CostModel,
+    RowPlan,
+    SeqAcceptance,
+    SpeculationController,
+    choose_blocks,
+    expected_tokens,
+)
+
+KMAX = 6
+# A GPU at small batch: verification is memory-bound (a guess token costs ~nothing), draft steps cheap.
+MEMORY_BOUND = CostModel(v0=10e-3, v_row=0.05e-3, v_token=0.01e-3, d0=0.1e-3, d_step=0.5e-3, d_step_row=0.0)
+# A CPU (or a GPU at large batch): every verified token costs compute.
+COMPUTE_BOUND = CostModel(v0=2e-3, v_row=0.2e-3, v_token=1.0e-3, d0=0.1e-3, d_step=0.5e-3, d_step_row=0.05e-3)
+
+
+def _choose(acc, cost, B=1, match=0, model=True, cap=KMAX, **kw):
+    acceptance = np.broadcast_to(np.asarray(acc, dtype=float), (B, 2, KMAX)).copy()
+    return choose_blocks(acceptance, np.full(B, match), np.full(B, model, dtype=bool), np.full(B, cap), cost, **kw)
+
+
+def test_expected_tokens_is_the_leviathan_formula() -> None:
+    a = 0.7
+    e = expected_tokens(np.full(KMAX, a))
+    for k in range(KMAX + 1):
+        assert e[k] == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+def test_acceptance_zero_gives_k_zero() -> None:
+    for cost in (MEMORY_BOUND, COMPUTE_BOUND):
+        for B in (1, 8):
+            ch = _choose(0.0, cost, B=B, match=KMAX)
+            assert (ch.ks == 0).all() and (ch.drafters == -1).all() and ch.width == 0 and ch.model_steps == 0
+
+
+def test_acceptance_near_one_and_cheap_draft_gives_kmax() -> None:
+    ch = _choose(0.99, MEMORY_BOUND, B=4)
+    assert (ch.ks == KMAX).all() and (ch.drafters == MODEL).all()
+    # n-gram matches are free to draft: with a full match the n-gram is preferred (no draft steps).
+    ch = _choose(0.99, MEMORY_BOUND, B=4, match=KMAX)
+    assert (ch.ks == KMAX).all() and (ch.drafters == NGRAM).all() and ch.model_steps == 0
+
+
+def test_compute_bound_verify_makes_k_shrink_as_the_batch_grows() -> None:
+    widths = [_choose(0.75, COMPUTE_BOUND, B=B).width for B in (1, 2, 4, 8, 16, 32, 64)]
+    assert widths[0] >= 2, widths
+    assert all(a >= b for a, b in zip(widths, widths[1:])), widths
+    assert widths[-1] == 0, widths  # under load speculation goes off
+    # Memory-bound verification keeps speculating at the same batch sizes.
+    assert all(_choose(0.75, MEMORY_BOUND, B=B).width >= 3 for B in (1, 64))
+
+
+def test_row_caps_and_ngram_match_lengths_bound_k() -> None:
+    B = 5
+    acc = np.full((B, 2, KMAX), 0.95)
+    cap = np.array([0, 1, 2, 6, 6])
+    match = np.array([6, 6, 1, 0, 3])
+    ch = choose_blocks(acc, match, np.array([True, True, True, False, False]), cap, MEMORY_BOUND)
+    assert (ch.ks <= cap).all()
+    no_model = np.array([False, False, False, True, True])
+    assert (ch.ks[no_model] <= match[no_model]).all()
+    assert ch.ks[0] == 0 and ch.ks[3] == 0  # capped at 0 / no drafter at all
+    assert (ch.drafters[3] == -1) and ch.drafters[4] == NGRAM and ch.ks[4] == 3
+
+
+def test_each_row_takes_the_drafter_that_it_accepts_more_from() -> None:
+    acc = np.zeros((2, 2, KMAX))
+    acc[0, NGRAM], acc[0, MODEL] = 0.95, 0.2  # a row that repeats its context: n-gram
+    acc[1, NGRAM], acc[1, MODEL] = 0.1, 0.9  # prose: the draft model
+    ch = choose_blocks(acc, np.array([KMAX, KMAX]), np.array([True, True]), np.array([KMAX, KMAX]), MEMORY_BOUND)
+    assert ch.drafters.tolist() == [NGRAM, MODEL] and (ch.ks > 0).all()
+
+
+def test_forced_rows_set_a_minimum_width_and_are_kept() -> None:
+    B = 3
+    acc = np.full((B, 2, KMAX), 0.0)
+    ch = choose_blocks(
+        acc,
+        np.zeros(B, int),
+        np.ones(B, bool),
+        np.full(B, KMAX),
+        COMPUTE_BOUND,
+        forced_k=np.array([4, -1, -1]),
+        forced_drafter=np.array([MODEL, -1, -1]),
+    )
+    assert ch.ks.tolist() == [4, 0, 0] and ch.drafters[0] == MODEL and ch.width == 4 and ch.model_steps == 4
+
+
+def _goodput(acc, match, model_ok, cap, cost, ks, drafters) -> float:
+    E = expected_tokens(acc)
+    rows = np.arange(len(ks))
+    tokens = np.where(drafters >= 0, E[rows, np.maximum(drafters, 0), ks], 1.0).sum()
+    width = int(ks.max())
+    used = drafters == MODEL
+    steps = int(ks[used].max()) if used.any() else 0
+    return tokens / (cost.verify(len(ks), width) + cost.draft(steps, int(used.sum())))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_properties_on_random_batches(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 40))
+    acc = rng.uniform(0, 1, (B, 2, KMAX)) ** rng.uniform(0.2, 3)
+    match = rng.integers(0, KMAX + 1, B)
+    model_ok = rng.random(B) < 0.7
+    cap = rng.integers(0, KMAX + 1, B)
+    cost = CostModel(*(rng.uniform(0, 1, 6) * np.array([10, 1, 1, 1, 3, 0.5]) * 1e-3 + 1e-6))
+    ch = choose_blocks(acc, match, model_ok, cap, cost)
+    # Bounds: 0 <= k <= cap; n-gram rows within their match; model rows only where allowed.
+    assert ((ch.ks >= 0) & (ch.ks <= cap)).all()
+    ng, md = ch.drafters == NGRAM, ch.drafters == MODEL
+    assert (ch.ks[ng] <= match[ng]).all() and model_ok[md].all()
+    assert ((ch.ks > 0) == (ch.drafters >= 0)).all()
+    assert ch.width == (int(ch.ks.max()) if B else 0)
+    got = _goodput(acc, match, model_ok, cap, cost, ch.ks, ch.drafters)
+    assert got == pytest.approx(ch.goodput, rel=1e-9)
+    # No worse than speculation off, nor than any fixed k with the better drafter per row.
+    for k in range(KMAX + 1):
+        for who in (NGRAM, MODEL):
+            ks = np.minimum(np.minimum(cap, k), match if who == NGRAM else cap)
+            if who == MODEL:
+                ks = np.where(model_ok, ks, 0)
+            dr = np.where(ks > 0, who, -1)
+            assert got >= _goodput(acc, match, model_ok, cap, cost, ks, dr) * (1 - 1e-9), (k, who)
+    # Monotone: higher acceptance everywhere never gives a narrower block.
+    ch_up = choose_blocks(np.sqrt(acc), match, model_ok, cap, cost)
+    assert ch_up.width >= ch.width and ch_up.expected_tokens >= ch.expected_tokens - 1e-9
+
+
+def test_controller_learns_acceptance_and_costs_from_rounds() -> None:
+    """Statistics in, k out: a sequence whose guesses always fail goes to k = 0; one whose guesses
+    always pass goes wide; a verify that grows steeply with the tokens pulls the width down."""
+    ctl = SpeculationController()
+    good, bad = SeqAcceptance(16), SeqAcceptance(16)
+    rows = [RowPlan(good, True, KMAX, 0, True), RowPlan(bad, True, KMAX, 0, True)]
+    for _ in range(30):
+        ch = ctl.plan(rows, KMAX)
+        k = ch.ks.tolist()
+        ctl.observe_rows([(good, True, MODEL, k[0], k[0]), (bad, True, MODEL, k[1], 0)])
+        # Memory-bound timings: the width costs almost nothing.
+        ctl.observe_costs(2, ch.width, 10e-3 + 0.01e-3 * 2 * (ch.width + 1), ch.model_steps, 2, 0.3e-3 * ch.model_steps)
+    est_good = ctl.seq_acceptance(good, ctl.global_acceptance(True))[MODEL, 0]
+    est_bad = ctl.seq_acceptance(bad, ctl.global_acceptance(True))[MODEL, 0]
+    assert est_good > 0.8 and est_bad < 0.5
+    final = ctl.plan(rows, KMAX)
+    assert final.ks[0] == KMAX
+    # Now a compute-bound regime (a large batch on a CPU): 64 rows, each verified token 1 ms.
+    seqs = [SeqAcceptance(16) for _ in range(64)]
+    batch = [RowPlan(s, True, KMAX, 0, True) for s in seqs]
+    for _ in range(150):
+        ch = ctl.plan(batch, KMAX)
+        ctl.observe_rows([(s, True, MODEL, int(k), int(k) // 2) for s, k in zip(seqs, ch.ks)])
+        t = 2e-3 + 1e-3 * 64 * (ch.width + 1)
+        ctl.observe_costs(64, ch.width, t, ch.model_steps, 64, 1e-3 * ch.model_steps)
+    assert ctl.plan(batch, KMAX).width <= 1
+
+
+def test_a_dropped_drafter_is_tried_again() -> None:
+    """Estimates decay toward the engine-wide rate, which decays toward the prior: a sequence that
+    stopped drafting after a bad stretch starts again once nothing holds its estimate down."""
+    ctl = SpeculationController()
+    seq = SeqAcceptance(16)
+    rows = [RowPlan(seq, True, KMAX, 0, True)]
+    ctl.observe_costs(1, 0, 10e-3, 0, 0, 0.0)
+    for _ in range(10):
+        ch = ctl.plan(rows, KMAX)
+        ctl.observe_rows([(seq, True, MODEL, int(ch.ks[0]), 0)])
+    assert ctl.plan(rows, KMAX).ks[0] == 0
+    ks = []
+    for _ in range(400):
+        ch = ctl.plan(rows, KMAX)
+        ks.append(int(ch.ks[0]))
+        ctl.observe_rows([(seq, True, MODEL if ch.ks[0] else -1, int(ch.ks[0]), int(ch.ks[0]))])
+    assert ks[-1] > 0
+
+
+def test_seeded_rows_are_planned_without_timings_or_batch() -> None:
+    """A deterministic row gets the same k whatever the cost model and its batch mates say."""
+    out = []
+    for cost_t in (1e-3, 50e-3):
+        ctl = SpeculationController()
+        ctl.observe_costs(8, 0, cost_t, 0, 0, 0.0)
+        seq = SeqAcceptance(16)
+        mates = [RowPlan(SeqAcceptance(16), False, KMAX, 0, True) for _ in range(7)]
+        ch = ctl.plan([RowPlan(seq, False, KMAX, 2, True, deterministic=True), *mates], KMAX)
+        out.append((int(ch.ks[0]), int(ch.drafters[0])))
+    assert out[0] == out[1] and out[0][0] > 0
+
+
+def test_oracle_bound_prices_only_the_accepted_guesses() -> None:
+    """The bench's oracle: rounds recovered from the per-position counters, each priced as a
+    (j+1)-token pass plus j draft steps. With a flat verify and free drafting it is exactly the
+    tokens per target pass; dearer verification or drafting lowers it."""
+    from benchmarks.engine_bench import oracle_speedup, rounds_by_accepted
+    from services.engine.stats import SpecStats
+
+    s = SpecStats()
+    for proposed, accepted in [(3, 3), (3, 0), (3, 1), (2, 2), (0, 0)]:
+        s.record_round(proposed, accepted, accepted + 1)
+    assert rounds_by_accepted(s) == [2, 1, 1, 1]
+    flat = {f"target_{t}": 10.0 for t in range(1, 5)}
+    assert oracle_speedup(s, flat, 0.0) == pytest.approx(s.tokens_per_forward)
+    steep = {f"target_{t}": 10.0 + 4 * (t - 1) for t in range(1, 5)}
+    assert oracle_speedup(s, steep, 0.0) < oracle_speedup(s, flat, 0.0)
+    assert oracle_speedup(s, flat, 2.0) < oracle_speedup(s, flat, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_batch_of_one_fast_path_is_optimal(seed: int) -> None:
+    """At B = 1 the plain-Python path compares every option's full cost: nothing beats it."""
+    rng = np.random.default_rng(100 + seed)
+    acc = rng.uniform(0, 1, (1, 2, KMAX)) ** rng.uniform(0.2, 3)
+    match, model_ok, cap = rng.integers(0, KMAX + 1, 1), rng.random(1) < 0.7, rng.integers(0, KMAX + 1, 1)
+    cost = CostModel(*(rng.uniform(0, 1, 6) * np.array([10, 1, 1, 1, 3, 0.5]) * 1e-3 + 1e-6))
+    ch = choose_blocks(acc, match, model_ok, cap, cost)
+    got = _goodput(acc, match, model_ok, cap, cost, ch.ks, ch.drafters)
+    assert got == pytest.approx(ch.goodput, rel=1e-9) and 0 <= ch.ks[0] <= cap[0]
+    for k in range(int(cap[0]) + 1):
+        for who in (NGRAM, MODEL):
+            if (who == NGRAM and k > match[0]) or (who == MODEL and not model_ok[0]):
+                continue
+            dr = np.array([who if k > 0 else -1])
+            assert got >= _goodput(acc, match, model_ok, cap, cost, np.array([k]), dr) * (1 - 1e-9)
