@@ -247,6 +247,7 @@ def _quantized_modes(cfg: PairBenchConfig, main: Engine) -> tuple[list[Quantized
             if i == 0:
                 modes.append(QuantizedMode(f"{tq} target-only", e, "none", 0, tq))
             modes += [QuantizedMode(f"{tq} + {dq} draft k={k}", e, "draft", k, tq) for k in cfg.quantized_ks]
+            modes.append(QuantizedMode(f"{tq} + {dq} auto k<={cfg.auto_k}", e, "auto", cfg.auto_k, tq))
     return modes, bytes_per_token
 
 
@@ -410,6 +411,15 @@ def _line(r: Run, runs: dict) -> str:
     return f"{r.system:12s} {r.mode:16s} {r.tokens_per_second:7.2f} tok/s (x{x:.2f} {base_name}){extra}"
 
 
+def _draft_weights(quantize: str | None) -> str:
+    """What the main engine's draft runs in: ``--draft-quantize`` with "auto" resolved."""
+    if quantize == "auto":
+        from services.engine.model import default_draft_quantize
+
+        quantize = default_draft_quantize("cpu")
+    return quantize or "bf16"
+
+
 def _prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -541,7 +551,7 @@ def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) ->
             ("bf16", f"bf16 draft k={cfg.default_k}"),
             ("int8", f"int8 draft k={cfg.default_k}"),
             ("int4", f"int4 draft k={cfg.default_k}"),
-            (cfg.draft_quantize or "bf16", default_mode),
+            (_draft_weights(cfg.draft_quantize), f"draft k={cfg.default_k}"),  # the main engine's draft
         )
         if tps("specd", m)
     }
