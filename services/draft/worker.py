@@ -132,7 +132,7 @@ class DraftWorker:
                 out[r.seq_id] = BlockOut(r.seq_id, error="context limit reached")
                 continue
             greedy = st.params.greedy
-            gen = None if greedy else make_generator(r.round_seed, self.drafter.model.device)
+            gen = None if greedy else make_generator(r.round_seed)  # on the CPU: sampling.py says why
             rows.append(DraftRow(k, st.tokens, r.k, greedy, gen))
             params.append(st.params)
             out[r.seq_id] = BlockOut(r.seq_id)

@@ -237,9 +237,10 @@ class Engine:
                 req=req,
                 slot=slot,
                 tokens=prompt,
-                generator=make_generator(seed, self.device),
+                # On the CPU whatever the device (sampling.py says why).
+                generator=make_generator(seed),
                 # The draft consumes its own stream, derived from the seed, so both repeat exactly.
-                draft_generator=make_generator(None if seed is None else seed ^ 0x5DEECE66D, self.device),
+                draft_generator=make_generator(None if seed is None else seed ^ 0x5DEECE66D),
                 detok=Detokenizer(self.tokenizer, req.params.stop),
                 prompt_len=len(prompt),
             )

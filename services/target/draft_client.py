@@ -28,7 +28,7 @@ import torch
 from services.common.convert import sampling_to_pb
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.engine.drafters import DraftRow, Proposal
-from services.engine.sampling import BatchSampling, SamplingParams
+from services.engine.sampling import BatchSampling, SamplingParams, draw_seed
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class RemoteDrafter:
         msg = draft_pb2.DraftRound(round_id=round_id)
         for r in rows:
             st = self.seqs[r.seq_id]
-            seed = 0 if r.generator is None else int(torch.randint(0, 2**62, (1,), generator=r.generator))
+            seed = 0 if r.generator is None else draw_seed(r.generator)
             if r.seq_id not in ep.opened:
                 msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
                 ep.opened.add(r.seq_id)
