@@ -66,6 +66,12 @@ class BatchSampling:
         )
 
 
+    def select(self, rows: Sequence[int]) -> BatchSampling:
+        """The same settings for a subset of the rows."""
+        idx = torch.tensor(rows, device=self.temperature.device)
+        return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.needs_sort)
+
+
 def processed_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """Turn raw logits into the distribution tokens are drawn from.
 
@@ -134,7 +140,11 @@ def uniforms(
     if isinstance(generator, torch.Generator):
         u = torch.rand((batch, *shape_tail), generator=generator, dtype=torch.float64, device=generator.device)
         return u.to(device)
-    draws = [torch.rand(shape_tail, generator=g, dtype=torch.float64, device=g.device) for g in generator]
+    # A None entry (a greedy row beside sampled ones) draws from the global generator; its values go unused.
+    draws = [
+        torch.rand(shape_tail, generator=g, dtype=torch.float64, device=device if g is None else g.device)
+        for g in generator
+    ]
     if all(d.device == device for d in draws):
         return torch.stack(draws)
     return torch.stack([d.to(device) for d in draws])

@@ -172,6 +172,12 @@ class RemoteDrafter:
         self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()))
         self.seqs[seq_id].endpoint.assigned += 1
 
+    def prefill(self, budget: int) -> None:
+        pass  # each draft service prefills its sequences itself, a chunk per round
+
+    def ready(self, seq_id: str) -> bool:
+        return True  # a draft still prefilling answers with an empty block: no guesses that round
+
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         st = self.seqs.get(seq_id)
         if st is not None:

@@ -12,6 +12,7 @@ from services.engine.sampling import draw_seed, make_generator, round_generator,
 def test_same_seed_same_draws_whatever_the_batch() -> None:
     """A row's uniforms depend only on its own generator: alone or beside any companions."""
     alone = uniforms((5,), [round_generator(make_generator(7))], 1, "cpu")
+    assert uniforms((2,), [None, make_generator(7)], 2, "cpu").shape == (2, 2)  # greedy rows carry None
     companions = [make_generator(1), make_generator(7), make_generator(None)]
     together = uniforms((5,), [round_generator(g) for g in companions], 3, "cpu")
     assert torch.equal(alone[0], together[1])
