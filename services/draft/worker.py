@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from services.engine.drafters import DraftRow, ModelDrafter
-from services.engine.prefill import DEFAULT_PREFILL_CHUNK
+from services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
 from services.engine.sampling import BatchSampling, SamplingParams, make_generator
 from services.engine.sparse import to_sparse
 
@@ -120,7 +120,10 @@ class DraftWorker:
         out: dict[str, BlockOut] = {}
         rows: list[DraftRow] = []
         params: list[SamplingParams] = []
-        self.drafter.prefill(self.prefill_chunk)
+        # Sized like the target's passes: about this round's own work (one step per guess per row).
+        keys = [self.key(stream, r.seq_id) for r in reqs]
+        decoding = sum(r.k for r, k in zip(reqs, keys) if k in self.states and self.drafter.ready(k))
+        self.drafter.prefill(chunk_budget(self.prefill_chunk, decoding))
         for r in reqs:
             k = self.key(stream, r.seq_id)
             st = self.states.get(k)

@@ -165,12 +165,13 @@ class ModelDrafter:
         self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=0, prompt=list(prompt_ids[:-1]))
 
     def ready(self, seq_id: str) -> bool:
-        return not self.seqs[seq_id].prompt
+        s = self.seqs[seq_id]
+        return s.cache_len >= len(s.prompt)  # a proposal's catch-up may also have fed the prompt
 
     @torch.inference_mode()
     def prefill(self, budget: int) -> None:
         """One batched pass over the sequences still prefilling, up to ``budget`` tokens (first come first)."""
-        waiting = [s for s in self.seqs.values() if s.prompt]
+        waiting = [s for s in self.seqs.values() if s.cache_len < len(s.prompt)]
         # A prompt takes its blocks when it starts, all at once: two half-prefilled prompts can
         # then never hold the pool between them.
         waiting = [s for s in waiting if s.cache_len > 0 or self.cache.reserve(s.slot, len(s.prompt) + 1)]
@@ -178,7 +179,11 @@ class ModelDrafter:
             return
         take = plan_chunk([len(s.prompt) - s.cache_len for s in waiting], budget)
         rows = [(s, n) for s, n in zip(waiting, take) if n > 0]
-        prefill_pass(self.model, self.cache, [PrefillRow(s.slot, s.cache_len, s.prompt[s.cache_len : s.cache_len + n]) for s, n in rows])
+        prefill_pass(
+            self.model,
+            self.cache,
+            [PrefillRow(s.slot, s.cache_len, s.prompt[s.cache_len : s.cache_len + n]) for s, n in rows],
+        )
         for s, n in rows:
             s.cache_len += n
             if s.cache_len == len(s.prompt):

@@ -37,7 +37,7 @@ from services.engine.detokenize import Detokenizer
 from services.engine.drafters import Drafter, DraftRow, ModelDrafter, NGramDrafter
 from services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
 from services.engine.model import CausalLM, check_same_vocab
-from services.engine.prefill import DEFAULT_PREFILL_CHUNK, PrefillRow, plan_chunk, prefill_pass
+from services.engine.prefill import DEFAULT_PREFILL_CHUNK, PrefillRow, chunk_budget, plan_chunk, prefill_pass
 from services.engine.rejection import greedy_verify, rejection_sample
 from services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs, round_generator
 from services.engine.stats import SpecStats
@@ -86,7 +86,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated tokens; None: the target's own context
     ngram_min: int = 2
     ngram_max: int = 4
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill pass, over all waiting prompts
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # most prompt tokens per prefill pass (prefill.chunk_budget)
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes of the target's block pool (an in-process
     # draft gets a pool of as many positions)
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
@@ -308,17 +308,22 @@ class Engine:
         pending = sorted((s for s in self.running.values() if not s.decoding), key=lambda s: s.order)
         # A preempted sequence starts again once the blocks for all its tokens are free.
         pending = [s for s in pending if s.has_blocks or self._take_blocks(s)]
+        # Tokens the decode round after this pass verifies: the pass is sized to cost about as much.
+        decoding = sum(self._block_size(s) + 1 for s in self.running.values() if s.decoding)
+        budget = chunk_budget(self.config.prefill_chunk, decoding)
         if pending:
-            take = plan_chunk([len(s.tokens) - 1 - s.cached for s in pending], self.config.prefill_chunk)
+            take = plan_chunk([len(s.tokens) - 1 - s.cached for s in pending], budget)
             rows = [(s, n) for s, n in zip(pending, take) if n > 0]
             prefill_pass(
-                self.target, self.cache, [PrefillRow(s.slot, s.cached, s.tokens[s.cached : s.cached + n]) for s, n in rows]
+                self.target,
+                self.cache,
+                [PrefillRow(s.slot, s.cached, s.tokens[s.cached : s.cached + n]) for s, n in rows],
             )
             self.prefill_passes += 1
             for s, n in rows:
                 s.cached += n
         if "draft" in self.drafters:
-            self.drafters["draft"].prefill(self.config.prefill_chunk)
+            self.drafters["draft"].prefill(budget)
 
     def _take_blocks(self, seq: _Seq) -> bool:
         seq.has_blocks = self.cache.reserve(seq.slot, len(seq.tokens))

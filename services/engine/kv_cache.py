@@ -16,7 +16,6 @@ import heapq
 
 import torch
 
-
 # The default KV budget of one model's pool: 2 GiB hold 74k positions of Qwen2.5-1.5B in bf16 (two
 # full 32k contexts) and 170k of the 0.5B draft, and leave a 24 GB machine usable with both loaded.
 # vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE) for one model; specd runs two.

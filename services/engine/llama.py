@@ -242,7 +242,15 @@ class LlamaLM:
         sequences of up to ``max_len`` positions (:class:`PagedKVCache`)."""
         s = self.shape
         return PagedKVCache(
-            s.num_layers, num_slots, num_blocks, block_size, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device
+            s.num_layers,
+            num_slots,
+            num_blocks,
+            block_size,
+            max_len,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            self.device,
         )
 
     @property

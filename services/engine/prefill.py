@@ -13,10 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
-# Prompt tokens per prefill pass. Demo pair on 2 CPU cores (README, "Chunked prefill"): a 64-token
-# pass of the target costs about what a batch-16 decode round does (and about two batch-1 rounds),
-# so a running stream's gap grows by about one round while a long prompt prefills.
-DEFAULT_PREFILL_CHUNK = 64
+# The largest prefill pass (``--prefill-chunk``): an idle engine prefills a 2,000-token prompt in 4.
+DEFAULT_PREFILL_CHUNK = 512
+# While sequences decode, a pass takes about as many tokens as the decode round verifies, but at
+# least this many (README, "Long prompts": on the demo target a 16-token pass costs about two
+# batch-1 rounds, a 64-token pass about one batch-16 round at k = 3).
+MIN_PREFILL_CHUNK = 16
+
+
+def chunk_budget(max_chunk: int, decode_tokens: int) -> int:
+    """Tokens of the next prefill pass: ``max_chunk`` when nothing decodes (nobody waits for the
+    pass), else about the decode round's own token count, so a pass costs about a round or two
+    whatever the batch: ``min(max_chunk, max(MIN_PREFILL_CHUNK, decode_tokens))``."""
+    if decode_tokens <= 0:
+        return max_chunk
+    return min(max_chunk, max(MIN_PREFILL_CHUNK, decode_tokens))
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,6 @@ class BatchSampling:
             needs_sort=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
         )
 
-
     def select(self, rows: Sequence[int]) -> BatchSampling:
         """The same settings for a subset of the rows."""
         idx = torch.tensor(rows, device=self.temperature.device)

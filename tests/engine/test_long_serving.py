@@ -9,7 +9,7 @@ from services.engine.builder import ModelSpec, build_engine
 from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, EngineConfig, Request, SpecConfig
 from services.engine.kv_cache import KVCache
 from services.engine.model import BatchLayout, load_model
-from services.engine.prefill import plan_chunk
+from services.engine.prefill import MIN_PREFILL_CHUNK, chunk_budget, plan_chunk
 from services.engine.sampling import SamplingParams
 
 TEXT = (
@@ -47,6 +47,13 @@ def test_plan_chunk_packs_prompts_within_the_budget() -> None:
     assert plan_chunk([3], 1) == [1]
 
 
+def test_chunk_budget_follows_the_decode_round() -> None:
+    assert chunk_budget(512, 0) == 512  # nothing decodes: nobody waits for the pass
+    assert chunk_budget(512, 4) == MIN_PREFILL_CHUNK  # one stream at k = 3
+    assert chunk_budget(512, 64) == 64  # 16 streams at k = 3
+    assert chunk_budget(32, 64) == 32  # --prefill-chunk caps it
+
+
 def test_chunked_prefill_keeps_greedy_identity_with_transformers(chunked: Engine, tiny_pair) -> None:
     """Prompts prefilled 7 tokens a pass, several sharing a pass, decode exactly as transformers does."""
     from transformers import AutoModelForCausalLM
@@ -54,7 +61,10 @@ def test_chunked_prefill_keeps_greedy_identity_with_transformers(chunked: Engine
     hf = AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
     prompts = [_ids(chunked, TEXT, n) for n in (60, 9, 23, 2)]
     passes = chunked.prefill_passes
-    reqs = [Request(f"c{i}", p, _greedy(16), SpecConfig(m, 3)) for i, (p, m) in enumerate(zip(prompts, ("draft", "ngram", "hybrid", "none")))]
+    reqs = [
+        Request(f"c{i}", p, _greedy(16), SpecConfig(m, 3))
+        for i, (p, m) in enumerate(zip(prompts, ("draft", "ngram", "hybrid", "none")))
+    ]
     res = chunked.generate(reqs)
     for r, p in zip(reqs, prompts):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -80,7 +90,10 @@ def test_running_stream_gets_tokens_every_step_while_a_long_prompt_prefills(chun
     assert steps_before_first >= 299 // 7 and got["run"]
     for out in chunked.stream():
         got[out.request_id] += out.token_ids
-    assert got["run"] == chunked.generate([Request("run2", a.prompt_ids, a.params, a.spec)])["run2"].token_ids[: len(got["run"])]
+    assert (
+        got["run"]
+        == chunked.generate([Request("run2", a.prompt_ids, a.params, a.spec)])["run2"].token_ids[: len(got["run"])]
+    )
 
 
 def test_full_pool_makes_requests_wait_and_preempts_never_fails(tiny_pair) -> None:
@@ -163,4 +176,6 @@ def test_draft_worker_prefills_in_chunks_without_errors(tiny_pair) -> None:
 
     slow_rounds, slow = run(16)
     fast_rounds, fast = run(1000)
-    assert slow == fast and fast_rounds == 1 and slow_rounds == -(-119 // 16)  # the last chunk and the guesses share a round
+    assert (
+        slow == fast and fast_rounds == 1 and slow_rounds == -(-119 // 16)
+    )  # the last chunk and the guesses share a round

@@ -28,7 +28,9 @@ def test_rejection_sampling_with_per_row_generators_is_batch_independent() -> No
     p = torch.softmax(torch.randn(3, 4, 50), -1)
     q = torch.softmax(torch.randn(3, 3, 50), -1)
     guesses = torch.randint(0, 50, (3, 3))
-    rows = [rejection_sample(p[i : i + 1], guesses[i : i + 1], q[i : i + 1], [make_generator(100 + i)]) for i in range(3)]
+    rows = [
+        rejection_sample(p[i : i + 1], guesses[i : i + 1], q[i : i + 1], [make_generator(100 + i)]) for i in range(3)
+    ]
     tokens, n = rejection_sample(p, guesses, q, [make_generator(100 + i) for i in range(3)])
     for i, (t, m) in enumerate(rows):
         assert torch.equal(tokens[i], t[0]) and int(n[i]) == int(m[0])
