@@ -1,7 +1,9 @@
-"""The model interface the engine drives, batch layout over the static cache, and model loading.
+"""The model interface the engine drives, batch layouts over the caches, and model loading.
 
-A ``CausalLM`` is anything with ``info``, ``new_cache(num_slots, max_len)`` and
-``forward(input_ids [B, T], cache, layout, logits_for)``. Two implementations:
+A ``CausalLM`` is anything with ``info``, ``kv_bytes_per_token``, ``new_paged_cache(num_slots,
+num_blocks, block_size, max_len)`` (the engine's block pool), ``new_cache(num_slots, max_len)`` (a
+static cache) and ``forward(input_ids [B, T], cache, layout, logits_for)``; a cache's ``layout()``
+builds the :class:`BatchLayout` its forward needs. Two implementations:
 
 - :class:`services.engine.llama.LlamaLM`: own forward for Llama/Mistral/Qwen2 (fast path);
 - :class:`HFCausalLM`: any other ``transformers`` causal LM, one ``DynamicCache`` per slot, cropped
