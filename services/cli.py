@@ -58,6 +58,32 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_target_quantize_arg(p)
 
 
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    from services.common.config import parse_bytes
+    from services.engine.prefill import DEFAULT_PREFILL_CHUNK
+
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="bytes of the model's KV block pool, e.g. 2GiB, 512MiB (default 2GiB); full means requests wait",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help=f"prompt tokens per prefill pass, between decode rounds (default {DEFAULT_PREFILL_CHUNK})",
+    )
+
+
+def _kv_kwargs(args: argparse.Namespace) -> dict:
+    """--kv-cache-memory and --prefill-chunk as config fields (an unset budget keeps the default)."""
+    kw = {"prefill_chunk": args.prefill_chunk}
+    if args.kv_cache_memory is not None:
+        kw["kv_cache_memory"] = args.kv_cache_memory
+    return kw
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -89,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft_quantize=_quantize(args.draft_quantize),
         target_quantize=_quantize(args.quantize),
     )
-    engine = build_engine(spec, EngineConfig(max_batch_size=1))
+    engine = build_engine(spec, EngineConfig(max_batch_size=1, **_kv_kwargs(args)))
     tok = engine.tokenizer
     if args.chat:
         prompt_ids = encode_chat(tok, [{"role": "user", "content": args.prompt}])
@@ -247,7 +273,7 @@ def _addresses(value: str) -> tuple[str, ...]:
 def _service_kwargs(args: argparse.Namespace) -> dict:
     """The ServiceConfig fields every model service shares (see _add_service_args)."""
     names = ("model", "port", "host", "metrics_port", "dtype", "device", "backend", "max_model_len")
-    return {n: getattr(args, n) for n in names} | {"served_model_name": args.served_model_name}
+    return {n: getattr(args, n) for n in names} | {"served_model_name": args.served_model_name} | _kv_kwargs(args)
 
 
 def _tls(args: argparse.Namespace):
@@ -364,6 +390,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             max_waiting=args.max_waiting,
             drain_timeout=args.drain_timeout,
+            max_model_len=args.max_model_len,
+            kv_cache_memory=args.kv_cache_memory,
+            prefill_chunk=args.prefill_chunk,
         )
     )
 
@@ -442,7 +471,10 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--backend", choices=["auto", "own", "transformers"], default="auto")
-    p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + output, in tokens")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's own)"
+    )
+    _add_kv_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: one per core)")
     p.add_argument("--served-model-name", default=None)
     _add_pair_arg(p)
@@ -501,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(g)
+    _add_kv_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -624,6 +657,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_capacity_args(s)
     _add_drain_arg(s)
+    s.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's own)"
+    )
+    _add_kv_args(s)
     s.set_defaults(func=cmd_serve)
     m = sub.add_parser("models", help="fetch and list the known model pairs")
     msub = m.add_subparsers(dest="models_command", required=True)

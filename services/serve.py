@@ -44,6 +44,9 @@ class ServeConfig:
     max_batch_size: int = 16
     max_waiting: int = 64
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    max_model_len: int | None = None  # None: each model's own context
+    kv_cache_memory: int | None = None  # bytes of each model's KV pool; None: the services' default
+    prefill_chunk: int | None = None  # None: the services' default
     startup_timeout: float = 300.0
 
 
@@ -51,9 +54,17 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
     cli = [sys.executable, "-m", "services.cli"]
 
     def model_service(role: str, model: str, port: int, metrics_port: int, dtype: str) -> list[str]:
-        return [*cli, role, "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
-                "--dtype", dtype, "--device", cfg.device, "--host", "127.0.0.1",
-                "--drain-timeout", str(cfg.drain_timeout)]  # fmt: skip
+        cmd = [*cli, role, "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
+               "--dtype", dtype, "--device", cfg.device, "--host", "127.0.0.1",
+               "--drain-timeout", str(cfg.drain_timeout)]  # fmt: skip
+        for flag, value in (
+            ("--max-model-len", cfg.max_model_len),
+            ("--kv-cache-memory", cfg.kv_cache_memory),
+            ("--prefill-chunk", cfg.prefill_chunk),
+        ):
+            if value is not None:
+                cmd += [flag, str(value)]
+        return cmd
 
     cmds = []
     if cfg.draft:

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DraftServerConfig(ServiceConfig):
     port: int = 50051
-    max_sequences: int = 64
+    max_sequences: int = 64  # sequences held at once; their KV shares one pool of kv_cache_memory bytes
     support: int = 128  # entries of the truncated q sent per sampled guess
     quantize: str | None = None  # "int8": weight-only, half the bytes per step; the target's output is unchanged
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
@@ -121,8 +121,10 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
     from services.engine.model import load_model
 
     model = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend, quantize=cfg.quantize)
-    max_len = min(cfg.max_model_len, model.info.max_context)
-    drafter = ModelDrafter(model, cfg.max_sequences, max_len + MAX_SPECULATIVE_TOKENS + 2, support=cfg.support)
+    max_len = min(cfg.max_model_len or model.info.max_context, model.info.max_context)
+    drafter = ModelDrafter(
+        model, cfg.max_sequences, max_len + MAX_SPECULATIVE_TOKENS + 2, cfg.support, cfg.kv_cache_memory
+    )
     info = common_pb2.InfoResponse(
         model_name=cfg.model_name,
         vocab_size=model.info.vocab_size,
@@ -130,7 +132,7 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
         role="draft",
         max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
     )
-    return DraftWorker(drafter, max_len, cfg.support, MAX_SPECULATIVE_TOKENS), info
+    return DraftWorker(drafter, max_len, cfg.support, MAX_SPECULATIVE_TOKENS, cfg.prefill_chunk), info
 
 
 def serve(cfg: DraftServerConfig) -> None:

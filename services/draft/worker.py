@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from services.engine.drafters import DraftRow, ModelDrafter
+from services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
 from services.engine.sampling import BatchSampling, SamplingParams, make_generator
 from services.engine.sparse import to_sparse
 
@@ -51,8 +52,13 @@ class _State:
 class DraftWorker:
     """Runs rounds of open / release / propose for any number of streams on one model."""
 
-    def __init__(self, drafter: ModelDrafter, max_len: int, support: int, max_k: int) -> None:
+    def __init__(
+        self, drafter: ModelDrafter, max_len: int, support: int, max_k: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    ) -> None:
+        """``prefill_chunk``: prompt tokens prefilled per round (chunked prefill), so opening a long
+        prompt delays the other sequences' blocks by one chunk, not by the whole prompt."""
         self.drafter = drafter
+        self.prefill_chunk = prefill_chunk
         self.max_len = max_len
         self.support = support
         self.max_k = max_k
@@ -114,6 +120,10 @@ class DraftWorker:
         out: dict[str, BlockOut] = {}
         rows: list[DraftRow] = []
         params: list[SamplingParams] = []
+        # Sized like the target's passes: about this round's own work (one step per guess per row).
+        keys = [self.key(stream, r.seq_id) for r in reqs]
+        decoding = sum(r.k for r, k in zip(reqs, keys) if k in self.states and self.drafter.ready(k))
+        self.drafter.prefill(chunk_budget(self.prefill_chunk, decoding))
         for r in reqs:
             k = self.key(stream, r.seq_id)
             st = self.states.get(k)
@@ -131,8 +141,11 @@ class DraftWorker:
             if len(st.tokens) + r.k > self.max_len:
                 out[r.seq_id] = BlockOut(r.seq_id, error="context limit reached")
                 continue
+            if not self.drafter.ready(k):
+                out[r.seq_id] = BlockOut(r.seq_id)  # still prefilling: no guesses this round, no error
+                continue
             greedy = st.params.greedy
-            gen = None if greedy else make_generator(r.round_seed, self.drafter.model.device)
+            gen = None if greedy else make_generator(r.round_seed)  # on the CPU: sampling.py says why
             rows.append(DraftRow(k, st.tokens, r.k, greedy, gen))
             params.append(st.params)
             out[r.seq_id] = BlockOut(r.seq_id)

@@ -14,13 +14,15 @@ distributions) or ``None`` for point-mass proposals.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from services.engine.model import BatchLayout, CausalLM
+from services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
+from services.engine.model import CausalLM
+from services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
 from services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from services.engine.sparse import truncate_probs
 
@@ -59,6 +61,12 @@ class Drafter(Protocol):
     def remove(self, seq_id: str) -> None:
         """Forget a sequence and free what it held."""
 
+    def prefill(self, budget: int) -> None:
+        """Prefill up to ``budget`` prompt tokens of the sequences added since (chunked prefill)."""
+
+    def ready(self, seq_id: str) -> bool:
+        """Whether the sequence can be proposed for (its prompt is prefilled)."""
+
 
 def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
     out = torch.full((len(rows), width), -1, dtype=torch.long)
@@ -84,6 +92,12 @@ class NGramDrafter:
 
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         pass
+
+    def prefill(self, budget: int) -> None:
+        pass
+
+    def ready(self, seq_id: str) -> bool:
+        return True
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
@@ -118,6 +132,7 @@ class _DraftSeq:
     cache_len: int  # positions of the draft cache holding committed tokens
     fed_until: int = 0  # cache positions written by the last proposal (committed or guessed)
     last_n: int = 0  # committed length when the last proposal was made
+    prompt: list[int] = field(default_factory=list)  # prompt ids still to prefill up to (all but the last)
 
 
 class ModelDrafter:
@@ -128,10 +143,21 @@ class ModelDrafter:
     truncated q, which is what the rejection rule must see to stay lossless.
     """
 
-    def __init__(self, model: CausalLM, max_slots: int, max_len: int, support: int = 0) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        max_slots: int,
+        max_len: int,
+        support: int = 0,
+        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+        block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    ) -> None:
+        """``max_len``: positions one sequence may use; ``kv_cache_memory``: bytes of the block pool
+        all sequences share (a row that cannot get blocks gets no guesses, it never fails)."""
         self.model = model
         self.support = support
-        self.cache = model.new_cache(max_slots, max_len)
+        blocks = pool_blocks(kv_cache_memory, model.kv_bytes_per_token, block_size, max_slots, max_len)
+        self.cache = model.new_paged_cache(max_slots, blocks, block_size, max_len)
         self.seqs: dict[str, _DraftSeq] = {}
 
     @property
@@ -139,13 +165,35 @@ class ModelDrafter:
         return self.model.info.vocab_size
 
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Take a slot; the prompt is prefilled by :meth:`prefill`, a chunk at a time."""
         slot = self.cache.allocate()
-        self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=0)
-        # Prefill all but the last token: the last committed token is fed at the next proposal.
-        if len(prompt_ids) > 1:
-            ids = torch.tensor([prompt_ids[:-1]], dtype=torch.long, device=self.model.device)
-            self.model.forward(ids, self.cache, BatchLayout([slot], [0], ids.shape[1], self.model.device), "none")
-            self.seqs[seq_id].cache_len = len(prompt_ids) - 1
+        # All but the last token: the last committed token is fed at the next proposal.
+        self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=0, prompt=list(prompt_ids[:-1]))
+
+    def ready(self, seq_id: str) -> bool:
+        s = self.seqs[seq_id]
+        return s.cache_len >= len(s.prompt)  # a proposal's catch-up may also have fed the prompt
+
+    @torch.inference_mode()
+    def prefill(self, budget: int) -> None:
+        """One batched pass over the sequences still prefilling, up to ``budget`` tokens (first come first)."""
+        waiting = [s for s in self.seqs.values() if s.cache_len < len(s.prompt)]
+        # A prompt takes its blocks when it starts, all at once: two half-prefilled prompts can
+        # then never hold the pool between them.
+        waiting = [s for s in waiting if s.cache_len > 0 or self.cache.reserve(s.slot, len(s.prompt) + 1)]
+        if not waiting:
+            return
+        take = plan_chunk([len(s.prompt) - s.cache_len for s in waiting], budget)
+        rows = [(s, n) for s, n in zip(waiting, take) if n > 0]
+        prefill_pass(
+            self.model,
+            self.cache,
+            [PrefillRow(s.slot, s.cache_len, s.prompt[s.cache_len : s.cache_len + n]) for s, n in rows],
+        )
+        for s, n in rows:
+            s.cache_len += n
+            if s.cache_len == len(s.prompt):
+                s.prompt = []
 
     def remove(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)
@@ -172,6 +220,26 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
+        # A row whose blocks for this proposal cannot be had (the pool is full) gets no guesses.
+        # Every row writes guesses up to the widest block.
+        K = max(r.k for r in rows)
+        ok = [i for i, r in enumerate(rows) if self.cache.reserve(self.seqs[r.seq_id].slot, len(r.tokens) + K)]
+        if len(ok) == len(rows):
+            return self._propose(rows, sampling)
+        token_ids = torch.full((len(rows), K), -1, dtype=torch.long, device=self.model.device)
+        if not ok:
+            return Proposal(token_ids[:, :0], None)
+        part = self._propose([rows[i] for i in ok], sampling.select(ok) if sampling is not None else None)
+        idx = torch.tensor(ok, device=self.model.device)
+        width = part.token_ids.shape[1]
+        token_ids[idx, :width] = part.token_ids
+        probs = None
+        if part.probs is not None:
+            probs = torch.zeros((len(rows), width, part.probs.shape[-1]), device=self.model.device)
+            probs[idx] = part.probs
+        return Proposal(token_ids[:, :width], probs)
+
+    def _propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
         device = self.model.device
         B = len(rows)
         K = max(r.k for r in rows)
@@ -195,7 +263,7 @@ class ModelDrafter:
         any_sampled = not all(r.greedy for r in rows)
         u = uniforms((K,), [r.generator for r in rows], B, device) if any_sampled else None  # [B, K]
 
-        logits = self.model.forward(inp.to(device), self.cache, BatchLayout(slots, starts, M, device), "all")
+        logits = self.model.forward(inp.to(device), self.cache, self.cache.layout(slots, starts, M, device), "all")
         logits = logits[torch.arange(B, device=device), last_idx].unsqueeze(1)  # [B, 1, V]
         tokens, probs = [], []
         for j in range(K):
@@ -210,7 +278,8 @@ class ModelDrafter:
             tokens.append(tok)
             if j + 1 < K:
                 positions = [len(r.tokens) + j for r in rows]
-                logits = self.model.forward(tok.view(B, 1), self.cache, BatchLayout(slots, positions, 1, device), "all")
+                layout = self.cache.layout(slots, positions, 1, device)
+                logits = self.model.forward(tok.view(B, 1), self.cache, layout, "all")
         for r, s in zip(rows, states):
             s.last_n = len(r.tokens)
             s.fed_until = len(r.tokens) + K - 1

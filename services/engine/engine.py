@@ -2,7 +2,9 @@
 
 One :meth:`Engine.step` is one round for every running sequence:
 
-1. **admit** waiting requests into free cache slots (continuous batching) and prefill them;
+1. **admit** waiting requests while a slot and KV blocks for their prompt are free (continuous
+   batching), and prefill one chunk of the admitted prompts (chunked prefill: several prompts in one
+   batched pass, ``prefill_chunk`` tokens at most; a long prompt takes several steps);
 2. **draft**: each sequence's drafter (model, n-gram, or none) guesses up to k tokens;
 3. **verify**: the target scores ``[last token, guesses...]`` for all sequences in one forward pass;
    greedy rows go through :func:`greedy_verify`, sampled rows through :func:`rejection_sample`;
@@ -15,12 +17,18 @@ Method "auto" (the default) lets :mod:`services.engine.controller` pick each rou
 k in 0..num_tokens and the drafter (n-gram where it has a match, the draft model, or none) from
 what earlier rounds measured; k depends only on the past, so the output law is unchanged.
 
-Cache invariant: for every running sequence, both caches hold all committed tokens but the last; the
-last one is the first input of the next round.
+Cache invariant: for every decoding sequence, both caches hold all committed tokens but the last;
+the last one is the first input of the next round. A sequence still prefilling holds fewer.
+
+KV memory is one block pool per model sized by a byte budget (:mod:`services.engine.kv_cache`). A
+decoding sequence takes blocks as it grows; when the pool runs dry the youngest sequence is
+preempted (vLLM's recompute preemption): its blocks go back, and it is prefilled again, its
+tokens so far as the prompt, when blocks free up. Nothing fails for want of memory; it waits.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -39,10 +47,14 @@ from services.engine.controller import (
 )
 from services.engine.detokenize import Detokenizer
 from services.engine.drafters import Drafter, DraftRow, ModelDrafter, NGramDrafter
-from services.engine.model import BatchLayout, CausalLM, check_same_vocab
+from services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
+from services.engine.model import CausalLM, check_same_vocab
+from services.engine.prefill import DEFAULT_PREFILL_CHUNK, PrefillRow, chunk_budget, plan_chunk, prefill_pass
 from services.engine.rejection import greedy_verify, rejection_sample
 from services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs, round_generator
 from services.engine.stats import SpecStats
+
+log = logging.getLogger(__name__)
 
 # "hybrid": n-gram lookup first; rows without a match this round ask the draft model.
 # "auto": the controller chooses k and the drafter per sequence and round (the draft model only if loaded).
@@ -88,9 +100,19 @@ class EngineConfig:
     """Capacity of one engine instance."""
 
     max_batch_size: int = 16
-    max_model_len: int = 1024  # prompt + generated tokens; capped by the target's context
+    max_model_len: int | None = None  # prompt + generated tokens; None: the target's own context
     ngram_min: int = 2
     ngram_max: int = 4
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # most prompt tokens per prefill pass (prefill.chunk_budget)
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes of the target's block pool (an in-process
+    # draft gets a pool of as many positions)
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
 
 
 @dataclass
@@ -128,8 +150,15 @@ class _Seq:
     draft_generator: torch.Generator
     detok: Detokenizer
     prompt_len: int
+    order: int  # admission order: the youngest is preempted first
+    cached: int = 0  # positions of tokens in the target cache (len(tokens) - 1 once decoding)
+    has_blocks: bool = False  # blocks for the prompt are reserved (false again after a preemption)
     stats: SpecStats = field(default_factory=SpecStats)
     acceptance: SeqAcceptance = field(default_factory=lambda: SeqAcceptance(MAX_SPECULATIVE_TOKENS))
+
+    @property
+    def decoding(self) -> bool:
+        return self.cached == len(self.tokens) - 1
 
     @property
     def generated(self) -> int:
@@ -152,16 +181,29 @@ class Engine:
         self.target = target
         self.tokenizer = tokenizer
         self.config = config
-        self.max_len = min(config.max_model_len, target.info.max_context)
+        self.max_len = min(config.max_model_len or target.info.max_context, target.info.max_context)
+        bs = config.kv_block_size
         # Room for a full block of guesses past the last committed position.
         cache_len = self.max_len + MAX_SPECULATIVE_TOKENS + 2
-        self.cache = target.new_cache(config.max_batch_size, cache_len)
+        blocks = pool_blocks(config.kv_cache_memory, target.kv_bytes_per_token, bs, config.max_batch_size, cache_len)
+        if blocks * bs < cache_len:
+            # A budget below one full-length sequence: serve shorter ones rather than refuse to start.
+            self.max_len = max(1, blocks * bs - MAX_SPECULATIVE_TOKENS - 2)
+            log.warning(
+                "KV budget of %d bytes holds %d positions: max_model_len capped to %d",
+                config.kv_cache_memory,
+                blocks * bs,
+                self.max_len,
+            )
+        self.cache = target.new_paged_cache(config.max_batch_size, blocks, bs, cache_len)
         self.drafters: dict[str, Drafter] = {"ngram": NGramDrafter(config.ngram_min, config.ngram_max)}
         if draft is not None and drafter is not None:
             raise ValueError("pass a draft model or a drafter, not both")
         if draft is not None:
             check_same_vocab(target.info, draft.info)
-            self.drafters["draft"] = ModelDrafter(draft, config.max_batch_size, cache_len)
+            # As many positions as the target's pool: the draft is never the tighter limit.
+            draft_memory = blocks * bs * draft.kv_bytes_per_token
+            self.drafters["draft"] = ModelDrafter(draft, config.max_batch_size, cache_len, 0, draft_memory, bs)
         elif drafter is not None:
             self.drafters["draft"] = drafter
         self.eos = frozenset(target.info.eos_token_ids)
@@ -169,7 +211,10 @@ class Engine:
         self.running: dict[str, _Seq] = {}
         self._aborted: set[str] = set()
         self.totals = SpecStats()  # summed over requests (per-request verification counts)
-        self.rounds = 0  # batched target forward passes
+        self.rounds = 0  # batched target forward passes (decode rounds; prefill passes are counted apart)
+        self.prefill_passes = 0
+        self.preemptions = 0
+        self._admitted = 0
         self.last_round = RoundInfo()
         self.device = target.device
         self.controller = SpeculationController(ControllerConfig(kmax=MAX_SPECULATIVE_TOKENS))
@@ -211,9 +256,10 @@ class Engine:
         """Run one round for all running sequences; returns what each produced."""
         outputs = self._evict_aborted()
         self._admit()
-        if not self.running:
+        self._prefill()
+        seqs = self._reserve_round([s for s in self.running.values() if s.decoding])
+        if not seqs:
             return outputs
-        seqs = list(self.running.values())
         ks = [self._block_size(s) for s in seqs]
         routes = [s.req.spec.method for s in seqs]  # per row: who guesses this round
         planned = any(r == "auto" for r in routes) and max(ks) > 0
@@ -228,7 +274,7 @@ class Engine:
         K = guesses.shape[1]
         last = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
         inputs = torch.cat([last, guesses.clamp_min(0)], dim=1)  # [B, K+1], stays on the device
-        layout = BatchLayout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
+        layout = self.cache.layout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
         logits = self.target.forward(inputs, self.cache, layout, "all")  # [B, K+1, V]
         self.rounds += 1
         token_ids, num_emitted = self._verify(seqs, logits, guesses, q, from_model)
@@ -255,30 +301,93 @@ class Engine:
         return outs
 
     def _admit(self) -> None:
+        """Waiting requests join, first come first, while a slot and the blocks for their prompt are
+        free (plus one block of headroom per running sequence, so the newcomer does not at once
+        force a preemption); the rest wait."""
         while self.waiting and self.cache.free_slots > 0:
-            req = self.waiting.popleft()
+            req = self.waiting[0]
+            headroom = len(self.running)
+            if self.cache.blocks_for(len(req.prompt_ids)) + headroom > self.cache.free_blocks:
+                return
+            self.waiting.popleft()
             slot = self.cache.allocate()
+            self.cache.reserve(slot, len(req.prompt_ids))
             prompt = list(req.prompt_ids)
-            if len(prompt) > 1:
-                ids = torch.tensor([prompt[:-1]], device=self.device)
-                self.target.forward(ids, self.cache, BatchLayout([slot], [0], ids.shape[1], self.device), "none")
             seed = req.params.seed
             seq = _Seq(
                 req=req,
                 slot=slot,
                 tokens=prompt,
-                generator=make_generator(seed, self.device),
+                # On the CPU whatever the device (sampling.py says why).
+                generator=make_generator(seed),
                 # The draft consumes its own stream, derived from the seed, so both repeat exactly.
-                draft_generator=make_generator(None if seed is None else seed ^ 0x5DEECE66D, self.device),
+                draft_generator=make_generator(None if seed is None else seed ^ 0x5DEECE66D),
                 detok=Detokenizer(self.tokenizer, req.params.stop),
                 prompt_len=len(prompt),
+                order=self._admitted,
+                has_blocks=True,
             )
+            self._admitted += 1
             if self._may_use_model(req):
                 self.drafters["draft"].add(req.request_id, prompt, req.params)
             self.running[req.request_id] = seq
 
     def _may_use_model(self, req: Request) -> bool:
         return req.spec.method in USES_DRAFT_MODEL or (req.spec.method == "auto" and "draft" in self.drafters)
+
+    def _prefill(self) -> None:
+        """One chunked-prefill pass of the target over the sequences still prefilling, and one of
+        the in-process draft."""
+        pending = sorted((s for s in self.running.values() if not s.decoding), key=lambda s: s.order)
+        # A preempted sequence starts again once the blocks for all its tokens are free.
+        pending = [s for s in pending if s.has_blocks or self._take_blocks(s)]
+        # Tokens the decode round after this pass verifies: the pass is sized to cost about as much.
+        decoding = sum(self._block_size(s) + 1 for s in self.running.values() if s.decoding)
+        budget = chunk_budget(self.config.prefill_chunk, decoding)
+        if pending:
+            take = plan_chunk([len(s.tokens) - 1 - s.cached for s in pending], budget)
+            rows = [(s, n) for s, n in zip(pending, take) if n > 0]
+            prefill_pass(
+                self.target,
+                self.cache,
+                [PrefillRow(s.slot, s.cached, s.tokens[s.cached : s.cached + n]) for s, n in rows],
+            )
+            self.prefill_passes += 1
+            for s, n in rows:
+                s.cached += n
+        if "draft" in self.drafters:
+            self.drafters["draft"].prefill(budget)
+
+    def _take_blocks(self, seq: _Seq) -> bool:
+        seq.has_blocks = self.cache.reserve(seq.slot, len(seq.tokens))
+        return seq.has_blocks
+
+    def _reserve_round(self, seqs: list[_Seq]) -> list[_Seq]:
+        """Blocks for this round's positions of every decoding sequence; when the pool runs dry the
+        youngest sequence gives its blocks back (and is prefilled again later). Returns the
+        sequences that decode this round."""
+        seqs = sorted(seqs, key=lambda s: s.order)
+        out: list[_Seq] = []
+        for s in seqs:
+            if not s.has_blocks:
+                continue  # preempted a moment ago, for an older sequence
+            need = len(s.tokens) + self._block_size(s)
+            while not self.cache.reserve(s.slot, need):
+                victims = [v for v in self.running.values() if v.has_blocks and v is not s]
+                victim = max(victims, key=lambda v: v.order, default=s)
+                if victim.order < s.order:
+                    victim = s  # never preempt an older sequence for a younger one
+                self._preempt(victim)
+                if victim is s:
+                    break
+            out.append(s)
+        return [s for s in out if s.has_blocks]
+
+    def _preempt(self, seq: _Seq) -> None:
+        self.cache.free_positions(seq.slot)
+        seq.cached, seq.has_blocks = 0, False
+        self.preemptions += 1
+        log.info("KV pool full: preempted %s (%d tokens, prefilled again later)", seq.req.request_id, len(seq.tokens))
 
     def _block_size(self, seq: _Seq) -> int:
         """Guesses worth making: never past max_tokens or the context."""
@@ -363,7 +472,13 @@ class Engine:
             for row, i in enumerate(ngram_idx):
                 if prop.token_ids.shape[1] and prop.token_ids[row, 0] >= 0:  # host tensor: no sync
                     matched[i] = prop.token_ids[row]
-        model_idx = [i for i in active if routes[i] == "draft" or (routes[i] == "hybrid" and i not in matched)]
+        model_idx = [
+            i
+            for i in active
+            if (routes[i] == "draft" or (routes[i] == "hybrid" and i not in matched))
+            # A draft still prefilling this prompt has nothing to guess from yet.
+            and self.drafters["draft"].ready(seqs[i].req.request_id)
+        ]
         model_prop = None
         model_seconds = 0.0
         if model_idx:
@@ -450,6 +565,7 @@ class Engine:
         if seq.detok.stopped:
             new, reason = new[:keep], "stop"
         seq.tokens.extend(new)
+        seq.cached = len(seq.tokens) - 1
         if reason is not None:
             text += seq.detok.flush()
             self._release(seq)

@@ -1,14 +1,28 @@
-"""Static, preallocated KV cache with per-sequence slots.
+"""KV caches: the paged block pool the engine serves from, and a static slot cache.
 
-One tensor per K and V for all layers, ``[layers, slots, max_len, kv_heads, head_dim]``, allocated
-once (gpt-fast / vLLM style), so decoding never reallocates. A sequence owns one slot; the engine
-keeps each slot's valid length on the host. Rolling back after a rejection is just using a shorter
-length: entries past it are never attended to and get overwritten by the next round.
+:class:`PagedKVCache` (the engine's, target and draft alike): one pool of fixed-size blocks sized by
+a memory budget (``--kv-cache-memory``), handed to sequences as they grow, so memory follows the
+tokens held rather than slots x the longest context. :class:`KVCache`: one tensor per K and V,
+``[layers, slots, max_len, kv_heads, head_dim]``, for direct model use (tests, micro-benchmarks).
+
+Either way the engine keeps each sequence's valid length on the host. Rolling back after a
+rejection is just using a shorter length: entries past it are never attended to and get
+overwritten by the next round.
 """
 
 from __future__ import annotations
 
+import heapq
+
 import torch
+
+# The default KV budget of one model's pool: 2 GiB hold 74k positions of Qwen2.5-1.5B in bf16 (two
+# full 32k contexts) and 170k of the 0.5B draft, and leave a 24 GB machine usable with both loaded.
+# vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE) for one model; specd runs two.
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+# Positions per block: large enough that block tables stay short at 32k (Python builds them), small
+# enough that a sequence wastes at most a few hundred KB on its last block.
+DEFAULT_KV_BLOCK_SIZE = 32
 
 
 class CacheFullError(RuntimeError):
@@ -62,3 +76,118 @@ class KVCache(SlotAllocator):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+
+
+def kv_bytes(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes in a cache of this geometry."""
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_blocks(budget_bytes: int, bytes_per_token: int, block_size: int, num_slots: int, max_len: int) -> int:
+    """Blocks a ``budget_bytes`` pool holds, but never more than ``num_slots`` sequences of ``max_len``
+    positions can use (a small model's default budget would otherwise reserve millions of blocks)."""
+    per_seq = -(-max_len // block_size)
+    return max(1, min(budget_bytes // (bytes_per_token * block_size), num_slots * per_seq))
+
+
+class BlockTable(SlotAllocator):
+    """KV memory as a pool of fixed-size blocks (vLLM's paged KV), handed to sequences on demand.
+
+    A sequence owns a slot (its row in the block table) and the blocks covering its positions; it
+    grows with :meth:`reserve` and gives everything back with :meth:`release`. Accounting only:
+    :class:`PagedKVCache` adds the storage. Block ``num_blocks`` is a scratch block that every
+    table entry past a sequence's own blocks points at, so a padded row's writes land there.
+    """
+
+    def __init__(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> None:
+        super().__init__(num_slots)
+        self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
+        self.scratch = num_blocks
+        self._free_blocks = list(range(num_blocks))  # a min-heap: low ids first keeps sequences contiguous
+        self.blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        width = -(-max_len // block_size) + 1
+        self.table = torch.full((num_slots, width), self.scratch, dtype=torch.long)  # host copy, rows per slot
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def reserve(self, slot: int, length: int) -> bool:
+        """Make ``slot`` hold at least ``length`` positions; False (and nothing taken) if the pool
+        has too few free blocks or the table too few columns."""
+        have = self.blocks[slot]
+        need = self.blocks_for(length) - len(have)
+        if need <= 0:
+            return True
+        if need > len(self._free_blocks) or len(have) + need > self.table.shape[1]:
+            return False
+        new = [heapq.heappop(self._free_blocks) for _ in range(need)]
+        self._new_blocks(new)
+        self.table[slot, len(have) : len(have) + need] = torch.tensor(new, dtype=torch.long)
+        have.extend(new)
+        return True
+
+    def free_positions(self, slot: int) -> None:
+        """Give back every block of ``slot`` but keep the slot (a preempted sequence waits in it)."""
+        for b in self.blocks[slot]:
+            heapq.heappush(self._free_blocks, b)
+        self.blocks[slot] = []
+        self.table[slot] = self.scratch
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.free_positions(slot)
+
+    def _new_blocks(self, blocks: list[int]) -> None:
+        """Hook for storage: blocks just handed out."""
+
+    def layout(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu"):
+        """The :class:`~services.engine.model.BatchLayout` of a batch over this cache."""
+        from services.engine.model import BatchLayout
+
+        return BatchLayout(slots, starts, T, device)
+
+
+class PagedKVCache(BlockTable):
+    """The block pool with its K/V storage: ``[layers, (num_blocks + 1) * block_size, kv_heads, head_dim]``.
+
+    Allocated uninitialised, so on a CPU the operating system commits pages only as blocks are first
+    used (resident memory grows with the tokens actually held, up to the budget); each block is
+    zeroed when handed out, as masked-out garbage could be NaN and 0 * NaN poisons attention.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(num_slots, num_blocks, block_size, max_len)
+        shape = (num_layers, (num_blocks + 1) * block_size, kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self._new_blocks([self.scratch])
+
+    def _new_blocks(self, blocks: list[int]) -> None:
+        bs = self.block_size
+        for b in blocks:
+            self.k[:, b * bs : (b + 1) * bs].zero_()
+            self.v[:, b * bs : (b + 1) * bs].zero_()
+
+    def layout(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu"):
+        from services.engine.model import PagedLayout
+
+        return PagedLayout(slots, starts, T, self.table[slots], self.block_size, device)

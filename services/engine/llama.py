@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, PagedKVCache, kv_bytes
 from services.engine.model import BatchLayout, ModelInfo, eos_ids_of
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -287,6 +287,28 @@ class LlamaLM:
         """Preallocate a cache for ``num_slots`` sequences of up to ``max_len`` positions."""
         s = self.shape
         return KVCache(s.num_layers, num_slots, max_len, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+
+    def new_paged_cache(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> PagedKVCache:
+        """A pool of ``num_blocks`` blocks of ``block_size`` positions shared by up to ``num_slots``
+        sequences of up to ``max_len`` positions (:class:`PagedKVCache`)."""
+        s = self.shape
+        return PagedKVCache(
+            s.num_layers,
+            num_slots,
+            num_blocks,
+            block_size,
+            max_len,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one position in this model's (or this rank's) cache."""
+        s = self.shape
+        return kv_bytes(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
 
     # ---------------------------------------------------------------------------- forward
 

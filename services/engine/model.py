@@ -1,7 +1,9 @@
-"""The model interface the engine drives, batch layout over the static cache, and model loading.
+"""The model interface the engine drives, batch layouts over the caches, and model loading.
 
-A ``CausalLM`` is anything with ``info``, ``new_cache(num_slots, max_len)`` and
-``forward(input_ids [B, T], cache, layout, logits_for)``. Two implementations:
+A ``CausalLM`` is anything with ``info``, ``kv_bytes_per_token``, ``new_paged_cache(num_slots,
+num_blocks, block_size, max_len)`` (the engine's block pool), ``new_cache(num_slots, max_len)`` (a
+static cache) and ``forward(input_ids [B, T], cache, layout, logits_for)``; a cache's ``layout()``
+builds the :class:`BatchLayout` its forward needs. Two implementations:
 
 - :class:`services.engine.llama.LlamaLM`: own forward for Llama/Mistral/Qwen2 (fast path);
 - :class:`HFCausalLM`: any other ``transformers`` causal LM, one ``DynamicCache`` per slot, cropped
@@ -19,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from services.engine.kv_cache import SlotAllocator
+from services.engine.kv_cache import BlockTable, SlotAllocator, kv_bytes
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,57 @@ class BatchLayout:
         return cache_layer[:, : self.S].index_select(0, self._slot_t)
 
 
+class PagedLayout(BatchLayout):
+    """A batch over a :class:`~services.engine.kv_cache.PagedKVCache`: positions map to pool rows
+    through each sequence's block table.
+
+    ``table`` [B, W] holds the rows' block ids (the scratch block past their own). One sequence
+    whose blocks are consecutive in the pool (the usual case on a quiet server: blocks go out lowest
+    first) is read as a view; otherwise each layer gathers the S attended positions of every row,
+    the same copy :meth:`BatchLayout.read` makes for non-adjacent slots.
+    """
+
+    def __init__(
+        self,
+        slots: list[int],
+        starts: list[int],
+        T: int,
+        table: torch.Tensor,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(slots, starts, T, device)
+        self.table, self.block_size = table, block_size
+        B, bs = len(slots), block_size
+        nb = -(-self.S // bs)
+        self._base: int | None = None
+        if B == 1:
+            row = table[0, :nb]
+            first = int(row[0])
+            if nb == 1 or bool((row == torch.arange(first, first + nb)).all()):
+                self._base = first * bs
+        if self._base is None:
+            tab = table[:, :nb].to(device)
+            idx = (tab[:, :, None] * bs + torch.arange(bs, device=device)).view(B, nb * bs)[:, : self.S]
+            self._read_idx = idx.reshape(-1)
+            self._write_idx = idx.gather(1, self.positions).reshape(-1)
+
+    def write(self, cache_layer: torch.Tensor, x: torch.Tensor) -> None:
+        """Store x [B, T, Hkv, D] into the pool layer [rows, Hkv, D] at each row's positions."""
+        if self._base is not None:
+            s0 = self._base + self.starts[0]
+            cache_layer[s0 : s0 + self.T] = x[0]
+        else:
+            cache_layer.index_copy_(0, self._write_idx, x.reshape(-1, *x.shape[2:]))
+
+    def read(self, cache_layer: torch.Tensor) -> torch.Tensor:
+        """The first S positions of each row, [B, S, Hkv, D]."""
+        if self._base is not None:
+            return cache_layer[self._base : self._base + self.S].unsqueeze(0)
+        B = len(self.slots)
+        return cache_layer.index_select(0, self._read_idx).view(B, self.S, *cache_layer.shape[1:])
+
+
 class CausalLM(Protocol):
     """What the engine and drafters need from a model."""
 
@@ -81,6 +134,11 @@ class CausalLM(Protocol):
     device: torch.device
 
     def new_cache(self, num_slots: int, max_len: int) -> SlotAllocator: ...
+
+    def new_paged_cache(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> BlockTable: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
 
     def forward(
         self, input_ids: torch.Tensor, cache: SlotAllocator, layout: BatchLayout, logits_for: str = "all"
@@ -98,12 +156,16 @@ def eos_ids_of(hf_model) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-class _DynamicCacheSlots(SlotAllocator):
-    def __init__(self, num_slots: int, max_len: int) -> None:
+class _DynamicCacheSlots(BlockTable):
+    """One ``DynamicCache`` per slot; the block table only accounts for the budget (each
+    ``DynamicCache`` grows by itself)."""
+
+    def __init__(self, num_slots: int, max_len: int, num_blocks: int | None = None, block_size: int = 16) -> None:
         from transformers import DynamicCache
 
-        super().__init__(num_slots)
-        self.max_len = max_len
+        if num_blocks is None:  # the static interface: room for every slot at full length
+            num_blocks = num_slots * -(-max_len // block_size)
+        super().__init__(num_slots, num_blocks, block_size, max_len)
         self._factory = DynamicCache
         self.caches = [DynamicCache() for _ in range(num_slots)]
 
@@ -134,6 +196,17 @@ class HFCausalLM:
 
     def new_cache(self, num_slots: int, max_len: int) -> _DynamicCacheSlots:
         return _DynamicCacheSlots(num_slots, max_len)
+
+    def new_paged_cache(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> _DynamicCacheSlots:
+        return _DynamicCacheSlots(num_slots, max_len, num_blocks, block_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        return kv_bytes(cfg.num_hidden_layers, kv_heads, head_dim, self.model.dtype)
 
     @torch.inference_mode()
     def forward(

@@ -5,7 +5,10 @@ compares distributions that saw the same temperature / top-k / top-p processing:
 speculation lossless for the distribution the user asked for.
 
 Randomness comes from one ``torch.Generator`` per request (seeded from the request's ``seed`` or from
-OS entropy), so a seeded request repeats exactly whatever else shares its batch.
+OS entropy), so a seeded request repeats exactly whatever else shares its batch. Request generators
+live on the CPU whatever device the model runs on: PyTorch refuses a draw on one device from a
+generator of another, a CPU stream gives a seed the same draws on every device, and a round needs
+only k+1 uniforms per row, moved to the model's device in one copy.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ class BatchSampling:
             needs_sort=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
         )
 
+    def select(self, rows: Sequence[int]) -> BatchSampling:
+        """The same settings for a subset of the rows."""
+        idx = torch.tensor(rows, device=self.temperature.device)
+        return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.needs_sort)
+
 
 def processed_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """Turn raw logits into the distribution tokens are drawn from.
@@ -89,7 +97,8 @@ def processed_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tens
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A request's private generator: seeded when the user gave a seed, else from OS entropy."""
+    """A request's private generator: seeded when the user gave a seed, else from OS entropy.
+    Keep it on the CPU (the default); every draw below works from any device's generator."""
     g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
     return g
@@ -102,8 +111,13 @@ def round_generator(request_generator: torch.Generator) -> torch.Generator:
     them from a per-round generator keeps each request's stream, and so a seeded output,
     independent of what else shares its batch.
     """
-    seed = int(torch.randint(0, 2**62, (1,), generator=request_generator))
-    return make_generator(seed, request_generator.device)
+    return make_generator(draw_seed(request_generator), request_generator.device)
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    """One 62-bit seed drawn from ``generator``, on the generator's own device (a CUDA generator
+    cannot feed a CPU draw)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
 
 
 def uniforms(
@@ -116,11 +130,23 @@ def uniforms(
 
     ``generator`` is one generator for the whole batch (or None: the global one), or one per row.
     With one per row the loop is over requests, not tokens: each request consumes its own random
-    stream, so seeded output does not depend on batch composition.
+    stream, so seeded output does not depend on batch composition. Each generator draws on its own
+    device; the result is moved to ``device`` once.
     """
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand((batch, *shape_tail), generator=generator, dtype=torch.float64, device=device)
-    return torch.stack([torch.rand(shape_tail, generator=g, dtype=torch.float64, device=device) for g in generator])
+    device = torch.device(device)
+    if generator is None:
+        return torch.rand((batch, *shape_tail), dtype=torch.float64, device=device)
+    if isinstance(generator, torch.Generator):
+        u = torch.rand((batch, *shape_tail), generator=generator, dtype=torch.float64, device=generator.device)
+        return u.to(device)
+    # A None entry (a greedy row beside sampled ones) draws from the global generator; its values go unused.
+    draws = [
+        torch.rand(shape_tail, generator=g, dtype=torch.float64, device=device if g is None else g.device)
+        for g in generator
+    ]
+    if all(d.device == device for d in draws):
+        return torch.stack(draws)
+    return torch.stack([d.to(device) for d in draws])
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

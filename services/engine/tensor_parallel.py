@@ -40,15 +40,16 @@ import torch.distributed as dist
 
 from services.common.process import die_with_parent
 from services.engine.checkpoint import SafetensorsState
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import BlockTable, KVCache, PagedKVCache
 from services.engine.llama import SUPPORTED_MODEL_TYPES, LlamaLM, LlamaShape, open_llama_checkpoint, read_llama
-from services.engine.model import BatchLayout
+from services.engine.model import BatchLayout, PagedLayout
 from services.paths import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
-# Ops rank 0 announces; a header is [op, a, b, c].
-FORWARD, NEW_CACHE, FREE_CACHE, SHUTDOWN = 1, 2, 3, 4
+# Ops rank 0 announces; a header is [op, a, b, c]. NEW_PAGED_CACHE is followed by
+# [num_slots, num_blocks, block_size, max_len]; a FORWARD on a paged cache by the rows' block tables.
+FORWARD, NEW_CACHE, FREE_CACHE, SHUTDOWN, NEW_PAGED_CACHE = 1, 2, 3, 4, 5
 # Rendezvous and the collectives inside a forward (ranks meet there within milliseconds of each other).
 DATA_TIMEOUT = timedelta(minutes=10)
 # Idle workers wait for the next announcement; a server may sit idle for days.
@@ -222,7 +223,7 @@ class TensorParallelLM:
         self.device = local.device
         self.workers = workers or []
         self._exit_on_failure = exit_on_rank_failure
-        self._cache_ids: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
+        self._cache_ids: weakref.WeakKeyDictionary[KVCache | PagedKVCache, int] = weakref.WeakKeyDictionary()
         self._next_cache_id = 0
         self._freed: list[int] = []  # caches gone on rank 0, to free on the others with the next message
         self._failure: str | None = None
@@ -262,16 +263,35 @@ class TensorParallelLM:
         weakref.finalize(cache, self._freed.append, cache_id)
         return cache
 
-    def forward(
-        self, input_ids: torch.Tensor, cache: KVCache, layout: BatchLayout, logits_for: str = "all"
-    ) -> torch.Tensor | None:
-        """Announce the batch (shape, slots, starts, token ids), then run this rank's shard.
+    def new_paged_cache(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> PagedKVCache:
+        """A block pool for this rank's heads; every other rank allocates the same geometry for its own."""
+        cache = self.local.new_paged_cache(num_slots, num_blocks, block_size, max_len)
+        cache_id = self._next_cache_id
+        self._next_cache_id += 1
+        self._send(NEW_PAGED_CACHE, cache_id)
+        self.group.broadcast_control(torch.tensor([num_slots, num_blocks, block_size, max_len]))
+        self._cache_ids[cache] = cache_id
+        weakref.finalize(cache, self._freed.append, cache_id)
+        return cache
 
-        Only rank 0 allocates slots; the others write the same slots of their own caches.
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The whole model's bytes per position: each rank holds 1/N of them, so a budget stated for
+        the service buys the same number of blocks on every rank."""
+        return self.local.kv_bytes_per_token * self.group.world
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | PagedKVCache, layout: BatchLayout, logits_for: str = "all"
+    ) -> torch.Tensor | None:
+        """Announce the batch (shape, slots, starts, block tables, token ids), then run this rank's shard.
+
+        Only rank 0 allocates slots and blocks; the others write the same positions of their own caches.
         """
         B, T = input_ids.shape
         self._send(FORWARD, self._cache_ids[cache], B, T)
         self.group.broadcast_control(torch.tensor(layout.slots + layout.starts, dtype=torch.long))
+        if isinstance(layout, PagedLayout):
+            self.group.broadcast_control(layout.table.contiguous())
         self.group.broadcast_data(input_ids.to(torch.long).contiguous())
         try:
             return self.local.forward(input_ids, cache, layout, logits_for)
@@ -307,20 +327,29 @@ class TensorParallelLM:
 
 def run_worker(model: LlamaLM, group: TPGroup) -> None:
     """Mirror rank 0's calls on this rank's shard until it announces shutdown."""
-    caches: dict[int, KVCache] = {}
+    caches: dict[int, KVCache | PagedKVCache] = {}
     while True:
         op, a, b, c = group.broadcast_control(torch.empty(4, dtype=torch.long)).tolist()
         if op == SHUTDOWN:
             return
         if op == NEW_CACHE:
             caches[a] = model.new_cache(b, c)
+        elif op == NEW_PAGED_CACHE:
+            geometry = group.broadcast_control(torch.empty(4, dtype=torch.long)).tolist()
+            caches[a] = model.new_paged_cache(*geometry)
         elif op == FREE_CACHE:
             caches.pop(a, None)
         elif op == FORWARD:
             meta = group.broadcast_control(torch.empty(2 * b, dtype=torch.long)).tolist()
+            cache = caches[a]
+            if isinstance(cache, BlockTable):
+                table = group.broadcast_control(torch.empty((b, cache.table.shape[1]), dtype=torch.long))
+                layout = PagedLayout(meta[:b], meta[b:], c, table, cache.block_size, group.device)
+            else:
+                layout = BatchLayout(meta[:b], meta[b:], c, group.device)
             ids = group.broadcast_data(torch.empty((b, c), dtype=torch.long, device=group.device))
             # Logits stay on rank 0: lm_head is replicated, so no other rank needs to compute them.
-            model.forward(ids, caches[a], BatchLayout(meta[:b], meta[b:], c, group.device), "none")
+            model.forward(ids, cache, layout, "none")
         else:
             raise RuntimeError(f"unknown tensor-parallel op {op}")
 

@@ -29,7 +29,7 @@ from services.common.convert import sampling_to_pb
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.tls import TLSConfig, channel
 from services.engine.drafters import DraftRow, Proposal
-from services.engine.sampling import BatchSampling, SamplingParams
+from services.engine.sampling import BatchSampling, SamplingParams, draw_seed
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,12 @@ class RemoteDrafter:
         self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()))
         self.seqs[seq_id].endpoint.assigned += 1
 
+    def prefill(self, budget: int) -> None:
+        pass  # each draft service prefills its sequences itself, a chunk per round
+
+    def ready(self, seq_id: str) -> bool:
+        return True  # a draft still prefilling answers with an empty block: no guesses that round
+
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         st = self.seqs.get(seq_id)
         if st is not None:
@@ -270,7 +276,7 @@ class RemoteDrafter:
         msg = draft_pb2.DraftRound(round_id=round_id)
         for r in rows:
             st = self.seqs[r.seq_id]
-            seed = 0 if r.generator is None else int(torch.randint(0, 2**62, (1,), generator=r.generator))
+            seed = 0 if r.generator is None else draw_seed(r.generator)
             if r.seq_id not in ep.opened:
                 msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
                 ep.opened.add(r.seq_id)

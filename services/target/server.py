@@ -187,7 +187,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 f"this target is full ({self.cfg.max_batch_size} running, {self.cfg.max_waiting} waiting)",
             )
         try:
-            req = self.to_request(request)
+            # Tokenizing and chat templating a long prompt takes milliseconds: off the event loop that
+            # delivers every stream's tokens.
+            req = await asyncio.to_thread(self.to_request, request)
             if req.request_id in self.live:
                 raise ValueError(f"request id {req.request_id!r} is already running")
         except ValueError as e:
@@ -289,7 +291,13 @@ def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tup
         )
         for a in drafter.addresses:
             metrics.DRAFT_FAILURES.labels(endpoint=a)  # exported as 0 from the start
-    engine = Engine(target, tokenizer, None, EngineConfig(cfg.max_batch_size, cfg.max_model_len), drafter=drafter)
+    ecfg = EngineConfig(
+        cfg.max_batch_size,
+        cfg.max_model_len,
+        prefill_chunk=cfg.prefill_chunk,
+        kv_cache_memory=cfg.kv_cache_memory,
+    )
+    engine = Engine(target, tokenizer, None, ecfg, drafter=drafter)
     methods = ["auto", "ngram", "none"] + (["draft", "hybrid"] if drafter else [])
     info = common_pb2.InfoResponse(
         model_name=cfg.model_name,

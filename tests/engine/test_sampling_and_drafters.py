@@ -81,7 +81,7 @@ def test_detokenizer_holds_back_possible_stop_prefix() -> None:
     assert d.push(_ids("hello E")) == ("hello ", 7)
     assert d.push(_ids("N")) == ("", 1)  # "EN" may still become "END"
     assert d.push(_ids("Dxyz")) == ("", 1)  # stop completes on the first id: the rest is dropped
-    assert d.stopped and d.text == "hello "
+    assert d.stopped and d.flush() == ""
 
 
 def test_detokenizer_releases_held_text_when_no_stop() -> None:
