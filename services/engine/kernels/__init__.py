@@ -8,7 +8,11 @@ much to verify k+1 tokens as to decode one, which leaves speculation nothing to 
 invariant, so verification is exact against one-token decoding.
 
 ``int8_linear``: the same kernel over weight-only int8 with one scale per output row, half the bytes
-of bf16, for drafts (``--draft-quantize int8``): a draft may be anything, speculation stays exact.
+of bf16, for drafts (``--draft-quantize int8``: a draft may be anything, speculation stays exact)
+and for targets the user chose to quantize (``--quantize int8``).
+
+``int4_linear``: weight-only int4 in groups of 32 (fp16 scale and min), multiplied in integers
+against activations quantized per row to int8 (``--quantize int4``, ``--draft-quantize int4``).
 
 Built with ``torch.utils.cpp_extension`` into ``$SPECD_CACHE/torch_extensions`` (about 30 s once,
 then loaded in milliseconds). If the build fails, or the CPU lacks AVX2/FMA, the callers keep
