@@ -420,6 +420,11 @@ def _draft_weights(quantize: str | None) -> str:
     return quantize or "bf16"
 
 
+def _identical(r: Run, ref: Run) -> str:
+    """How many of ``r``'s outputs equal ``ref``'s, as "n/N"."""
+    return f"{sum(a == b for a, b in zip(r.outputs, ref.outputs))}/{len(r.outputs)}"
+
+
 def _prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -445,24 +450,19 @@ def _row(r: Run, runs: dict) -> dict:
         own = runs.get(("specd", f"{r.target} target-only", r.category, r.temperature))
         if own is not None and own.tokens_per_second:
             row["speedup_vs_same_target_only"] = round(r.tokens_per_second / own.tokens_per_second, 3)
+        if r.temperature == 0.0 and r is not own and own is not None:
+            row["greedy_identical_to_target_only"] = _identical(r, own)
         if r.mode.endswith("target-only") and base is not None and r.temperature == 0.0:
             # What quantization does to the text: greedy outputs equal to the bf16 target's, and the
             # mean share of each output before its first difference.
-            row["greedy_identical_to_bf16"] = f"{sum(a == b for a, b in zip(r.outputs, base.outputs))}/{len(r.outputs)}"
+            row["greedy_identical_to_bf16"] = _identical(r, base)
             row["greedy_prefix_agreement_with_bf16"] = round(
                 sum(_prefix(a, b) / max(len(b), 1) for a, b in zip(r.outputs, base.outputs)) / max(len(r.outputs), 1), 3
             )
     elif r.system == "specd" and r.temperature == 0.0 and base is not None and r is not base:
         # bf16 greedy: is the text the target-only text? (exact in fp32; in bf16 a near-tie may round
         # differently with k+1 queries than with one, so this is measured, not assumed)
-        row["greedy_identical_to_target_only"] = (
-            f"{sum(a == b for a, b in zip(r.outputs, base.outputs))}/{len(r.outputs)}"
-        )
-    if r.system == "specd" and r.target != "bf16" and not r.mode.endswith("target-only") and r.temperature == 0.0:
-        own = runs.get(("specd", f"{r.target} target-only", r.category, r.temperature))
-        if own is not None:
-            same = sum(a == b for a, b in zip(r.outputs, own.outputs))
-            row["greedy_identical_to_target_only"] = f"{same}/{len(r.outputs)}"
+        row["greedy_identical_to_target_only"] = _identical(r, base)
     if r.system == "specd" and r.stats.target_forward_passes:
         row.update(
             acceptance_rate=round(r.stats.acceptance_rate, 4),
