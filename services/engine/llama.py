@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.kv_cache import KVCache, PagedKVCache, kv_bytes
-from services.engine.model import BatchLayout, ModelInfo, eos_ids_of
+from specd.services.engine.kv_cache import KVCache, PagedKVCache, kv_bytes
+from specd.services.engine.model import BatchLayout, ModelInfo, eos_ids_of
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -116,7 +116,7 @@ def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
 
 class Linear:
     """y = x W^T (+ b): through oneDNN with a weight packed once at load time (``prepack``), through
-    our AVX2 bf16 kernel (``kernel``, :mod:`services.engine.kernels`), through the int8 or int4
+    our AVX2 bf16 kernel (``kernel``, :mod:`specd.services.engine.kernels`), through the int8 or int4
     kernel with the weight quantized at load (``quantize="int8"`` / ``"int4"``), or through ``F.linear``."""
 
     def __init__(
@@ -129,7 +129,7 @@ class Linear:
         if quantize == "int4" and weight.shape[1] % INT4_GROUP:
             quantize = "int8"  # int4 groups need a multiple of 32 input features; only tiny models lack it
         if quantize is not None:
-            from services.engine import kernels
+            from specd.services.engine import kernels
 
             self.kernel = kernels.int8_linear() if quantize == "int8" else kernels.int4_linear()
             if self.kernel is None:
@@ -186,9 +186,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaLM:
-    """A Llama-family causal LM with the ``CausalLM`` interface of :mod:`services.engine.model`.
+    """A Llama-family causal LM with the ``CausalLM`` interface of :mod:`specd.services.engine.model`.
 
-    Tensor parallel (:mod:`services.engine.tensor_parallel`): ``shape`` and ``state`` are one rank's
+    Tensor parallel (:mod:`specd.services.engine.tensor_parallel`): ``shape`` and ``state`` are one rank's
     shard (its heads, its slice of the MLP) and ``reduce`` all-reduces the outputs of ``o_proj``
     and ``down_proj`` across ranks; everything else runs unchanged on every rank.
     """
@@ -217,7 +217,7 @@ class LlamaLM:
         self.prepacked = prepack
         kernel = None
         if not prepack and self.device.type == "cpu" and dtype == torch.bfloat16:
-            from services.engine.kernels import bf16_linear
+            from specd.services.engine.kernels import bf16_linear
 
             kernel = bf16_linear()  # None where it does not apply: torch's matmul then
         if quantize is not None and (quantize not in QUANTIZE_MODES or self.device.type != "cpu"):
@@ -368,7 +368,7 @@ class LlamaCheckpoint:
     """Everything :class:`LlamaLM` is built from: shape, weights (full, unsharded), RoPE, model info.
 
     ``state`` is a plain dict when read out of a loaded ``transformers`` model, or a lazy
-    :class:`~services.engine.checkpoint.SafetensorsState` that reads each tensor when asked.
+    :class:`~specd.services.engine.checkpoint.SafetensorsState` that reads each tensor when asked.
     """
 
     shape: LlamaShape
@@ -461,7 +461,7 @@ def open_llama_checkpoint(name_or_path: str) -> LlamaCheckpoint | None:
 
     from transformers import AutoConfig, GenerationConfig
 
-    from services.engine.checkpoint import SafetensorsState, local_checkpoint_dir, safetensors_files
+    from specd.services.engine.checkpoint import SafetensorsState, local_checkpoint_dir, safetensors_files
 
     directory = local_checkpoint_dir(name_or_path)
     files = safetensors_files(directory) if directory is not None else None

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.checkpoint import SafetensorsState
-from services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint, read_llama
-from services.engine.model import BatchLayout
-from services.engine.tensor_parallel import local_shape, shard_llama_state, split_dim
+from specd.services.engine.checkpoint import SafetensorsState
+from specd.services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint, read_llama
+from specd.services.engine.model import BatchLayout
+from specd.services.engine.tensor_parallel import local_shape, shard_llama_state, split_dim
 from tests.engine.test_tensor_parallel import assert_sharded_forward_matches
 from tests.tiny_models import random_hf_model
 

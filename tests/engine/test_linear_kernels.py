@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels import _cpu_has_avx2_fma, bf16_linear
+from specd.services.engine.kernels import _cpu_has_avx2_fma, bf16_linear
 
 pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="needs an x86 CPU with AVX2 and FMA")
 
@@ -57,7 +57,7 @@ def test_leading_dimensions_and_float32_inputs(op) -> None:
 
 
 def test_the_bf16_model_uses_it_where_onednn_cannot_pack() -> None:
-    from services.engine.llama import load_llama, onednn_bf16_prepack_supported
+    from specd.services.engine.llama import load_llama, onednn_bf16_prepack_supported
     from tests.tiny_models import random_hf_model
 
     ours = load_llama(random_hf_model("llama"), torch.bfloat16, "cpu", prepack=None)
@@ -66,8 +66,8 @@ def test_the_bf16_model_uses_it_where_onednn_cannot_pack() -> None:
 
 
 def test_int8_matches_its_dequantized_weights_and_is_batch_invariant() -> None:
-    from services.engine.kernels import int8_linear
-    from services.engine.llama import quantize_int8
+    from specd.services.engine.kernels import int8_linear
+    from specd.services.engine.llama import quantize_int8
 
     op = int8_linear()
     assert op is not None
@@ -89,10 +89,10 @@ def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
     """Exactness depends only on the target: the int8 draft changes guesses, never the output
     (float32 target, where greedy identity is exact; in bf16 attention over k+1 queries may round
     differently from one query, so bf16 identity is measured by the benchmark, not asserted)."""
-    from services.engine.builder import ModelSpec, build_engine
-    from services.engine.chat import encode_text
-    from services.engine.engine import EngineConfig, Request, SpecConfig
-    from services.engine.sampling import SamplingParams
+    from specd.services.engine.builder import ModelSpec, build_engine
+    from specd.services.engine.chat import encode_text
+    from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+    from specd.services.engine.sampling import SamplingParams
 
     target, draft = demo_pair
     engine = build_engine(
@@ -124,8 +124,8 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_int4_matches_its_dequantized_weights_and_is_batch_invariant() -> None:
-    from services.engine.kernels import int4_linear
-    from services.engine.llama import dequantize_int4, quantize_int4
+    from specd.services.engine.kernels import int4_linear
+    from specd.services.engine.llama import dequantize_int4, quantize_int4
 
     op = int4_linear()
     assert op is not None
@@ -151,7 +151,7 @@ def test_int4_matches_its_dequantized_weights_and_is_batch_invariant() -> None:
 
 
 def test_int4_rejects_a_width_that_is_not_whole_groups() -> None:
-    from services.engine.llama import quantize_int4
+    from specd.services.engine.llama import quantize_int4
 
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_int4(torch.randn(8, 48))

@@ -46,7 +46,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _build_dir() -> Path:
-    from services.model_store.fetch import cache_root
+    from specd.services.model_store.fetch import cache_root
 
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
     return cache_root() / "torch_extensions" / f"specd_kernels-{digest}"
