@@ -6,7 +6,7 @@ top-level folders: ``services/`` is ``specd.services``, ``gateway/`` is ``specd.
 ``specd.models``, and the gRPC stubs are generated from ``proto/`` into ``specd/v1`` by the build
 itself (so a plain ``pip install .`` of a fresh clone has them). The installed tree mirrors the
 checkout (``specd/services`` beside ``specd/models``, as ``services/`` beside ``models/``), which is
-how :mod:`specd.services.paths` finds the demo pair in both.
+how :mod:`specd.services.common.constants` finds the demo pair in both.
 """
 
 from __future__ import annotations

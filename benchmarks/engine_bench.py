@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from specd.services.common.constants import DEFAULT_DTYPE
 from specd.services.engine.builder import DTYPES, ModelSpec, build_engine
 from specd.services.engine.chat import encode_chat, encode_text
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
@@ -80,7 +81,7 @@ class BenchConfig:
 
     target: str
     draft: str
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     max_tokens: int = 96
     temperatures: tuple[float, ...] = (0.0, 0.8)
@@ -184,7 +185,7 @@ def _median_forward_ms(model, T: int, context: int = 200, reps: int = 30) -> flo
 
 def measure_costs(engine: Engine, ks: tuple[int, ...]) -> dict:
     """Per-forward latencies (ms) of the draft (1 token) and the target (1 and k+1 tokens)."""
-    draft = engine.drafters["draft"].model
+    draft = engine.model_drafter.model
     out = {"draft_1": _median_forward_ms(draft, 1), "target_1": _median_forward_ms(engine.target, 1)}
     # Every block width up to the largest k (the oracle bound prices rounds of any accept count).
     for k in range(1, max(ks) + 1):

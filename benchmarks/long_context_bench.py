@@ -33,11 +33,11 @@ import time
 
 import torch
 
+from specd.services.common.constants import DEMO_DRAFT, DEMO_TARGET, FIXED_NUM_TOKENS
 from specd.services.common.process import specd_command
 from specd.services.engine.builder import ModelSpec, build_engine
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.sampling import SamplingParams
-from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
 
 FILLER = (
     "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
@@ -88,7 +88,7 @@ def _config(args, **overrides) -> EngineConfig:
 
 def bench_gap(args) -> dict:
     engine = build_engine(_spec_of(args), _config(args))
-    spec = SpecConfig("draft", 3)
+    spec = SpecConfig("draft", FIXED_NUM_TOKENS)
     results = []
     for rep in range(args.repeats):
         stream = Request(f"run{rep}", prompt_ids(engine, 32, f"# run {rep}\n"), _greedy(10_000), spec)
@@ -163,7 +163,7 @@ def bench_ttft(args) -> dict:
     ids = prompt_ids(engine, args.tokens)
     rows = []
     for rep in range(args.repeats):
-        engine.add_request(Request(f"t{rep}", ids, _greedy(2), SpecConfig("draft", 3)))
+        engine.add_request(Request(f"t{rep}", ids, _greedy(2), SpecConfig("draft", FIXED_NUM_TOKENS)))
         t0 = time.perf_counter()
         first = None
         while engine.has_work():
@@ -176,7 +176,9 @@ def bench_ttft(args) -> dict:
 
 def bench_decode(args) -> dict:
     engine = build_engine(_spec_of(args), _config(args))
-    engine.add_request(Request("d", prompt_ids(engine, 64), _greedy(args.output), SpecConfig("draft", 3)))
+    engine.add_request(
+        Request("d", prompt_ids(engine, 64), _greedy(args.output), SpecConfig("draft", FIXED_NUM_TOKENS))
+    )
     marks, n = [time.perf_counter()], 0
     next_mark = args.window
     while engine.has_work():
@@ -194,7 +196,7 @@ def bench_memory(args) -> dict:
     engine = build_engine(_spec_of(args), _config(args))
     loaded = _rss_bytes()
     n = min(args.tokens, engine.max_len - 8)
-    engine.generate([Request("m", prompt_ids(engine, n), _greedy(4), SpecConfig("draft", 3))])
+    engine.generate([Request("m", prompt_ids(engine, n), _greedy(4), SpecConfig("draft", FIXED_NUM_TOKENS))])
     cache = engine.cache
     return {
         "mode": "memory",

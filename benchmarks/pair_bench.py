@@ -38,9 +38,10 @@ import torch
 from specd.benchmarks import engine_bench
 from specd.benchmarks.bandwidth import gguf_bytes_per_token, measure_read_bandwidth, safetensors_bytes_per_token
 from specd.benchmarks.engine_bench import CODE_PROMPTS, alpha_hat
+from specd.services.common.constants import AUTO_NUM_TOKENS, DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.engine.builder import DTYPES, ModelSpec, build_engine
 from specd.services.engine.chat import encode_chat, encode_text
-from specd.services.engine.engine import AUTO_NUM_TOKENS, Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.sampling import SamplingParams
 from specd.services.engine.stats import SpecStats
 
@@ -65,11 +66,11 @@ class PairBenchConfig:
     draft: str
     target_gguf: str | None = None  # the original quantized files, for llama.cpp
     draft_gguf: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     draft_quantize: str | None = None
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
     default_method: str = "auto"  # what `specd serve --pair` does: auto, k up to auto_k
-    default_k: int = 3  # n-gram and hybrid (and a fixed default method) run at this k
+    default_k: int = FIXED_NUM_TOKENS  # n-gram and hybrid (and a fixed default method) run at this k
     auto_k: int = AUTO_NUM_TOKENS
     max_tokens: int = 96
     temperatures: tuple[float, ...] = (0.0, 0.8)

@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 from specd.benchmarks.engine_bench import CODE_PROMPTS, PROSE_QUESTIONS
+from specd.services.common.constants import DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.common.ports import free_ports
 from specd.services.common.process import die_with_parent, stop_process_group
 from specd.services.engine.engine import EngineConfig, Request, SpecConfig
@@ -53,8 +54,8 @@ Mode = tuple[str, int]  # (method, k): ("none", 0), ("draft", k), ("auto", large
 class ServeBenchConfig:
     target: str
     draft: str
-    dtype: str = "bfloat16"
-    ks: tuple[int, ...] = (3,)  # block sizes for "draft", each measured side by side
+    dtype: str = DEFAULT_DTYPE
+    ks: tuple[int, ...] = (FIXED_NUM_TOKENS,)  # block sizes for "draft", each measured side by side
     auto: bool = True  # also measure "auto" (k up to max(ks))
     max_tokens: int = 96
     concurrencies: tuple[int, ...] = (1, 4, 16)

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from specd.benchmarks.engine_bench import CODE_PROMPTS
+from specd.services.common.constants import DEFAULT_DTYPE
 from specd.services.common.ports import free_ports
 from specd.services.common.process import die_with_parent, specd_command
 
@@ -49,7 +50,7 @@ CHAT_QUESTIONS = [
 class SoakConfig:
     target: str
     draft: str
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     duration: float = 300.0  # seconds of traffic
     warmup: float | None = None  # seconds before the memory baseline; default 10% of the duration (>= 10 s)
     concurrency: int = 64

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specd.services.common.wire import REQUEST_ERROR_METADATA_KEY
+from specd.v1 import target_pb2
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,28 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+_CODES = {
+    target_pb2.REQUEST_ERROR_CODE_INVALID_VALUE: "invalid_value",
+    target_pb2.REQUEST_ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: "context_length_exceeded",
+}
+
+
+def invalid_request(e: grpc.aio.AioRpcError, prompt_param: str) -> APIError:
+    """The 400 for a target's INVALID_ARGUMENT, from its typed RequestError (never from the
+    message, which is passed on as is). ``prompt_param``: what the prompt is called in this
+    request ("messages" in a chat, "prompt" in a completion)."""
+    typed = target_pb2.RequestError()
+    for key, value in e.trailing_metadata() or ():
+        if key == REQUEST_ERROR_METADATA_KEY:
+            typed.ParseFromString(value)
+    param = {
+        target_pb2.REQUEST_FIELD_PROMPT: prompt_param,
+        target_pb2.REQUEST_FIELD_MESSAGES: "messages",
+        target_pb2.REQUEST_FIELD_SPECULATION: "speculation",
+    }.get(typed.field)
+    return APIError(400, e.details() or "invalid request", param, _CODES.get(typed.code, "invalid_value"))
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

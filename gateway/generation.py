@@ -18,15 +18,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from specd.gateway.errors import APIError
+from specd.gateway.errors import APIError, invalid_request
 from specd.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from specd.gateway.target_pool import TargetClient, TargetPool
+from specd.services.common.wire import method_to_pb
 from specd.v1 import common_pb2, target_pb2
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
 
 
 def to_generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str) -> target_pb2.GenerateRequest:
+    """The one conversion out: an OpenAI request (validated by its schema) as a Generate call."""
     sampling = common_pb2.SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=max(0, body.top_k or 0),
@@ -42,10 +44,11 @@ def to_generate_request(body: ChatCompletionRequest | CompletionRequest, request
         ignore_eos=body.ignore_eos,
     )
     if body.speculation is not None:
-        msg.speculation.method = body.speculation.method or ""
+        method = body.speculation.method
+        if method != "none" and body.speculation.num_tokens == 0:
+            method = "none"  # zero guesses is speculation off
+        msg.speculation.method = method_to_pb(method)
         msg.speculation.num_tokens = body.speculation.num_tokens or 0
-        if body.speculation.method != "none" and body.speculation.num_tokens == 0:
-            msg.speculation.method = "none"  # zero guesses is speculation off
     if isinstance(body, ChatCompletionRequest):
         msg.chat.messages.extend(target_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages)
     elif isinstance(body.prompt, str):
@@ -55,18 +58,6 @@ def to_generate_request(body: ChatCompletionRequest | CompletionRequest, request
     else:
         msg.tokens.token_ids.extend(body.prompt)
     return msg
-
-
-def _invalid_argument(details: str, prompt_param: str) -> APIError:
-    if "context length" in details:
-        return APIError(400, details, prompt_param, "context_length_exceeded")
-    if "speculation" in details or "draft model" in details:
-        return APIError(400, details, "speculation", "invalid_value")
-    if "chat template" in details or "messages" in details:
-        return APIError(400, details, "messages", "invalid_value")
-    if "prompt" in details or "token ids" in details:
-        return APIError(400, details, prompt_param, "invalid_value")
-    return APIError(400, details, None, "invalid_value")
 
 
 @dataclass
@@ -114,7 +105,7 @@ async def open_generation(
             header = await asyncio.wait_for(call.read(), timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise _invalid_argument(e.details() or "invalid request", prompt_param) from None
+                raise invalid_request(e, prompt_param) from None
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 full += 1  # healthy, only busy: try the next one
             elif e.code() not in RETRYABLE:

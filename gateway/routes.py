@@ -18,8 +18,17 @@ from specd.gateway.metrics import TokenTimer
 from specd.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from specd.gateway.settings import GatewaySettings
 from specd.gateway.target_pool import TargetPool
+from specd.v1 import target_pb2
 
 log = logging.getLogger(__name__)
+
+# OpenAI has no "abort": a cancelled generation (which no client sees) reads as "stop".
+_FINISH = {
+    target_pb2.FINISH_REASON_STOP: "stop",
+    target_pb2.FINISH_REASON_LENGTH: "length",
+    target_pb2.FINISH_REASON_ABORT: "stop",
+}
+_SOURCES = {target_pb2.TOKEN_SOURCE_DRAFT: "draft", target_pb2.TOKEN_SOURCE_TARGET: "target"}
 
 
 def _state(request: Request) -> tuple[GatewaySettings, TargetPool]:
@@ -94,8 +103,17 @@ class _Shape:
         return {**self.base, "object": "text_completion", "choices": [choice], "usage": usage}
 
 
-def _finish_reason(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+def _finish_reason(msg: target_pb2.GenerateResponse | None) -> str | None:
+    """The OpenAI finish_reason of a Generate message (None until the last one)."""
+    return _FINISH.get(msg.finish_reason) if msg is not None else None
+
+
+def _token_extras(choice: dict, msg_ids, msg_sources, token_ids: bool, token_sources: bool) -> None:
+    """specd's per-token extensions of a choice: the token ids and where each token came from."""
+    if token_ids:
+        choice["token_ids"] = list(msg_ids)
+    if token_sources:
+        choice["token_sources"] = [_SOURCES.get(s, "target") for s in msg_sources]
 
 
 def _failure_status(e: grpc.aio.AioRpcError) -> str:
@@ -124,7 +142,7 @@ def _failure_response(e: grpc.aio.AioRpcError) -> Response:
 
 
 async def _stream(
-    gen: Generation, shape: _Shape, include_usage: bool, token_ids: bool, timer: TokenTimer
+    gen: Generation, shape: _Shape, include_usage: bool, token_ids: bool, token_sources: bool, timer: TokenTimer
 ) -> AsyncIterator[str]:
     status = "cancelled"  # unless we get to the end: the client went away
     last = None
@@ -135,13 +153,13 @@ async def _stream(
         async for msg in gen.messages():
             last = msg
             timer.chunk(len(msg.token_ids))
-            if msg.text or (token_ids and msg.token_ids):
+            if msg.text or ((token_ids or token_sources) and msg.token_ids):
                 chunk = shape.chunk(msg.text, None)
-                if token_ids:
-                    chunk["choices"][0]["token_ids"] = list(msg.token_ids)
+                _token_extras(chunk["choices"][0], msg.token_ids, msg.sources, token_ids, token_sources)
                 yield _sse({**chunk, **extra})
-            if msg.finish_reason:
-                yield _sse({**shape.chunk(None if shape.chat else "", _finish_reason(msg.finish_reason)), **extra})
+            finish = _finish_reason(msg)
+            if finish:
+                yield _sse({**shape.chunk(None if shape.chat else "", finish), **extra})
                 break
         if include_usage:
             yield _sse(
@@ -183,7 +201,7 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
     shape = _Shape(chat, ("chatcmpl-" if chat else "cmpl-") + gen.request_id, model)
     if body.stream:
         return StreamingResponse(
-            _stream(gen, shape, body.include_usage(), body.return_token_ids, timer),
+            _stream(gen, shape, body.include_usage(), body.return_token_ids, body.return_token_sources, timer),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -191,13 +209,14 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
     # on another replica (its tokens are thrown away; only the kept attempt's are timed).
     attempts = 1
     while True:
-        text, ids, last, arrivals = [], [], None, []
+        text, ids, sources, last, arrivals = [], [], [], None, []
         try:
             async for msg in gen.messages():
                 last = msg
                 arrivals.append((len(msg.token_ids), time.perf_counter()))
                 text.append(msg.text)
                 ids.extend(msg.token_ids)
+                sources.extend(msg.sources)
             break
         except grpc.aio.AioRpcError as e:
             # The deadline is the request's own: another target would run past it too.
@@ -219,10 +238,9 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
     for n, at in arrivals:
         timer.chunk(n, at)
     timer.finish("200")
-    finish = _finish_reason(last.finish_reason) if last is not None else "stop"
+    finish = _finish_reason(last) or "stop"
     result = shape.full("".join(text), finish, _usage(gen.prompt_tokens, last))
-    if body.return_token_ids:
-        result["choices"][0]["token_ids"] = ids
+    _token_extras(result["choices"][0], ids, sources, body.return_token_ids, body.return_token_sources)
     return JSONResponse(result)
 
 

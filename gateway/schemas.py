@@ -11,8 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specd.services.common.constants import MAX_SPECULATIVE_TOKENS, SPECULATION_METHODS
+
 MAX_STOP_STRINGS = 16
-MAX_SPECULATIVE_TOKENS = 16
 MAX_JSON_DEPTH = 32  # the deepest request nests 5 levels; deeper is an attack, not a request
 # Counts and ids travel as 32-bit integers to the target; larger values are refused here, not
 # overflowed there (a context is far shorter than this anyway, and the target checks the vocabulary).
@@ -64,7 +65,7 @@ class Speculation(_Strict):
     """specd extension: how this request speculates."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["auto", "draft", "ngram", "hybrid", "none"] | None = None
+    method: Literal[SPECULATION_METHODS] | None = None
     num_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
 
 
@@ -99,6 +100,8 @@ class _SamplingFields(_Strict):
     seed: int | None = None
     ignore_eos: bool = False  # extension (vLLM)
     return_token_ids: bool = False  # extension (as vLLM): each choice also carries its token ids
+    # extension: each choice also carries, per token, "draft" (an accepted guess) or "target"
+    return_token_sources: bool = False
     speculation: Speculation | None = None
     user: str | None = None
     # Accepted only at their neutral values (see module docstring).

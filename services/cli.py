@@ -7,7 +7,19 @@ import json
 import sys
 import time
 
-from specd.services.paths import DEMO_DRAFT, DEMO_TARGET, DTYPE_NAMES
+from specd.services.common.constants import (
+    AUTO_NUM_TOKENS,
+    DEFAULT_DTYPE,
+    DEFAULT_SPECULATION_METHOD,
+    DEMO_DRAFT,
+    DEMO_TARGET,
+    DTYPE_NAMES,
+    FIXED_NUM_TOKENS,
+    METHODS_USING_DRAFT_MODEL,
+    SPECULATION_METHODS,
+    default_num_tokens,
+)
+from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT
 
 
 def _add_pair_arg(p: argparse.ArgumentParser) -> None:
@@ -49,7 +61,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPE_NAMES),
-        default="bfloat16",
+        default=DEFAULT_DTYPE,
         help="dtype of both models; float32 is exact against transformers",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -97,14 +109,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from specd.services.engine.builder import ModelSpec, build_engine
     from specd.services.engine.chat import encode_chat, encode_text
-    from specd.services.engine.engine import AUTO_NUM_TOKENS, FIXED_NUM_TOKENS, EngineConfig, Request, SpecConfig
+    from specd.services.engine.engine import EngineConfig, Request, SpecConfig
     from specd.services.engine.sampling import SamplingParams
 
     num_tokens = args.num_speculative_tokens
     if num_tokens is None:
-        num_tokens = AUTO_NUM_TOKENS if args.method == "auto" else FIXED_NUM_TOKENS
+        num_tokens = default_num_tokens(args.method)
 
-    draft = args.draft if args.method in ("auto", "draft", "hybrid") else None
+    draft = args.draft if args.method in (*METHODS_USING_DRAFT_MODEL, "auto") else None
     spec = ModelSpec(
         target=args.target,
         draft=draft,
@@ -468,7 +480,7 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=port)
     p.add_argument("--metrics-port", type=int, default=metrics_port, help="Prometheus /metrics port")
-    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=DEFAULT_DTYPE)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--backend", choices=["auto", "own", "transformers"], default="auto")
     p.add_argument(
@@ -494,7 +506,7 @@ def _add_drain_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=DEFAULT_DRAIN_TIMEOUT,
         help="on SIGTERM: seconds for in-flight work to finish (new work is refused meanwhile); then exit 0",
     )
 
@@ -523,13 +535,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument(
         "--method",
-        choices=["auto", "draft", "ngram", "hybrid", "none"],
-        default="auto",
+        choices=SPECULATION_METHODS,
+        default=DEFAULT_SPECULATION_METHOD,
         help="auto: k and the drafter chosen per round from measured acceptance and cost; "
         "hybrid: n-gram lookup first, the draft model when it finds nothing",
     )
     g.add_argument(
-        "--num-speculative-tokens", type=int, default=None, help="guesses per round (auto: the most; default 6, else 3)"
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"guesses per round (auto: the most; default {AUTO_NUM_TOKENS}, else {FIXED_NUM_TOKENS})",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(g)
@@ -594,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_capacity_args(t)
     t.add_argument(
         "--speculation-method",
-        choices=["auto", "draft", "ngram", "hybrid", "none"],
+        choices=SPECULATION_METHODS,
         default=None,
         help="default for requests that do not choose (default: auto, which uses the draft service if given)",
     )
@@ -602,7 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="default guesses per round (auto: the most it may choose; default 6 for auto, 3 otherwise)",
+        help=f"default guesses per round (auto: the most it may choose; default {AUTO_NUM_TOKENS} for auto, "
+        f"{FIXED_NUM_TOKENS} otherwise)",
     )
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
     t.add_argument(
@@ -645,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target-port", type=int, default=50052)
     s.add_argument("--draft-metrics-port", type=int, default=9101)
     s.add_argument("--target-metrics-port", type=int, default=9102)
-    s.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
+    s.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=DEFAULT_DTYPE)
     s.add_argument("--draft-dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: --dtype")
     s.add_argument("--draft-threads", type=int, default=None, help="draft torch threads (default: 1 on CPU)")
     _add_draft_quantize_arg(s)
@@ -653,7 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu")
     s.add_argument("--api-key", default=None)
     s.add_argument(
-        "--num-speculative-tokens", type=int, default=None, help="the target's default (auto: the most; default 6)"
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"the target's default (auto: the most; default {AUTO_NUM_TOKENS})",
     )
     _add_capacity_args(s)
     _add_drain_arg(s)

@@ -18,9 +18,9 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specd.services.common.constants import DEFAULT_DTYPE
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT
 from specd.services.common.process import die_with_parent, specd_command
-from specd.services.common.runtime import DEFAULT_SPINCOUNT
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ServeConfig:
     target_port: int = 50052
     draft_metrics_port: int = 9101
     target_metrics_port: int = 9102
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     draft_dtype: str | None = None  # default: dtype
     draft_threads: int | None = None  # default: 1 on CPU (see _commands), torch's default elsewhere
     draft_quantize: str | None = None
@@ -140,8 +140,7 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], drain_timeout: float) -> bo
 
 def serve(cfg: ServeConfig) -> int:
     """Run until Ctrl-C / SIGTERM or until a child dies; returns an exit status."""
-    env = dict(os.environ)
-    env.setdefault("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)
+    env = dict(os.environ)  # GOMP_SPINCOUNT included: the CLI set it (services/common/runtime.py)
     stopping = False
 
     def on_signal(signum, frame) -> None:

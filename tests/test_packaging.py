@@ -30,7 +30,7 @@ def test_everything_installs_under_specd(built_package: Path) -> None:
 def test_installed_package_finds_its_own_demo_pair(built_package: Path, tmp_path: Path) -> None:
     code = (
         "import json, specd.services.cli, specd.gateway.app, specd.v1.target_pb2 as t\n"
-        "from specd.services.paths import DEMO_DRAFT, DEMO_TARGET\n"
+        "from specd.services.common.constants import DEMO_DRAFT, DEMO_TARGET\n"
         "print(json.dumps([specd.services.cli.__file__, t.__file__, str(DEMO_TARGET), str(DEMO_DRAFT)]))"
     )
     env = dict(os.environ, PYTHONPATH=str(built_package))

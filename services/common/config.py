@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from specd.services.common.constants import DEFAULT_DTYPE
 from specd.services.engine.kv_cache import DEFAULT_KV_CACHE_MEMORY
 from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK
 
@@ -28,7 +29,7 @@ class ServiceConfig:
     port: int
     host: str = "0.0.0.0"
     metrics_port: int | None = None
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     device: str = "cpu"
     backend: str = "auto"
     max_model_len: int | None = None  # None: the model's own context

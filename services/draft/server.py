@@ -1,4 +1,4 @@
-"""The draft gRPC service: a thin servicer around :class:`DraftWorker`.
+"""The draft gRPC service: a thin servicer around :class:`DraftWorker` (messages in and out: convert.py).
 
 Model work runs inline on the main-thread event loop (services/common/main_thread.py says why the
 main thread): a round blocks the loop for its few milliseconds, and rounds of one model are serial
@@ -14,12 +14,11 @@ import uuid
 from dataclasses import dataclass
 
 from specd.services.common.config import ServiceConfig
-from specd.services.common.convert import sampling_from_pb
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
 from specd.services.common.grpc_server import run_server, start_metrics_server
 from specd.services.common.tls import TLSConfig
-from specd.services.draft import metrics
-from specd.services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
+from specd.services.draft import convert, metrics
+from specd.services.draft.worker import BlockError, BlockOut, DraftWorker
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,13 +32,6 @@ class DraftServerConfig(ServiceConfig):
     quantize: str | None = None  # "int8": weight-only, half the bytes per step; the target's output is unchanged
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     tls: TLSConfig | None = None  # mutual TLS on this server's port
-
-
-def block_to_pb(b: BlockOut) -> draft_pb2.Block:
-    msg = draft_pb2.Block(sequence_id=b.seq_id, token_ids=b.token_ids, error=b.error)
-    for ids, probs in zip(b.sparse_ids, b.sparse_probs):
-        msg.probs.add(token_ids=ids.tolist(), probs=probs.tolist())
-    return msg
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -56,32 +48,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         t0 = time.perf_counter()
         for seq_id in rnd.release:
             self.worker.release(stream, seq_id)
-        errors: dict[str, str] = {}
-        for o in rnd.open:
-            if self.drain.draining:
-                # Finish the sequences held, take no new ones: their rows decode without guesses
-                # until the target's stream to this draft closes and it moves them elsewhere.
-                errors[o.sequence_id] = "the draft service is shutting down"
-                continue
-            err = self.worker.open(stream, OpenSeq(o.sequence_id, list(o.token_ids), sampling_from_pb(o.sampling)))
-            if err:
-                errors[o.sequence_id] = err
-        reqs = [
-            ProposeReq(
-                r.sequence_id, r.num_accepted, list(r.new_token_ids), r.committed_length, r.num_tokens, r.round_seed
-            )
-            for r in rnd.rows
-            if r.sequence_id not in errors
-        ]
+        errors: dict[str, BlockError] = {}
+        for seq in convert.opens_from_pb(rnd):
+            # Draining: finish the sequences held, take no new ones (the target opens them elsewhere).
+            err = BlockError.DRAINING if self.drain.draining else self.worker.open(stream, seq)
+            if err is not BlockError.NONE:
+                errors[seq.seq_id] = err
+        reqs = [r for r in convert.rows_from_pb(rnd) if r.seq_id not in errors]
         blocks = self.worker.propose(stream, reqs) if reqs else []
         blocks += [BlockOut(s, error=e) for s, e in errors.items()]
-        seconds = time.perf_counter() - t0
         if rnd.rows:
-            metrics.DRAFT_BLOCK_SECONDS.observe(seconds)
+            metrics.DRAFT_BLOCK_SECONDS.observe(time.perf_counter() - t0)
         metrics.DRAFT_SEQUENCES.set(self.worker.active)
-        return draft_pb2.DraftBlocks(
-            round_id=rnd.round_id, blocks=[block_to_pb(b) for b in blocks], draft_seconds=seconds
-        )
+        return convert.blocks_to_pb(rnd.round_id, blocks)
 
     def _close_stream(self, stream: str) -> None:
         freed = self.worker.release_stream(stream)
@@ -90,6 +69,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Draft(self, request_iterator, context):
         stream = uuid.uuid4().hex[:12]
+        # Headers at once: the target counts a stream as up (its health) from the moment they arrive.
+        await context.send_initial_metadata(())
         try:
             async for rnd in request_iterator:
                 try:
@@ -108,16 +89,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Info(self, request, context):
         return self.info
 
-    async def Release(self, request, context):
-        released = self.worker.release_anywhere(request.sequence_id)
-        metrics.DRAFT_SEQUENCES.set(self.worker.active)
-        return common_pb2.ReleaseResponse(released=released)
-
 
 def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoResponse]:
+    from specd.services.common.constants import MAX_SPECULATIVE_TOKENS
     from specd.services.engine.builder import DTYPES
     from specd.services.engine.drafters import ModelDrafter
-    from specd.services.engine.engine import MAX_SPECULATIVE_TOKENS
     from specd.services.engine.model import load_model
 
     model = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend, quantize=cfg.quantize)

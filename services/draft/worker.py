@@ -6,6 +6,7 @@ No gRPC here: the servicer converts messages to these dataclasses and back. One 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,8 +14,21 @@ import torch
 
 from specd.services.engine.drafters import DraftRow, ModelDrafter
 from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
-from specd.services.engine.sampling import BatchSampling, SamplingParams, make_generator
+from specd.services.engine.sampling import BatchSampling, SamplingParams
 from specd.services.engine.sparse import to_sparse
+
+
+class BlockError(enum.Enum):
+    """Why a row gets no guesses, or a sequence is not opened (the wire's DraftError says what the
+    target does about each)."""
+
+    NONE = 0
+    UNKNOWN_SEQUENCE = 1
+    OUT_OF_SYNC = 2
+    CONTEXT_FULL = 3
+    NO_CAPACITY = 4
+    DRAINING = 5
+    INVALID_CONTEXT = 6
 
 
 @dataclass(frozen=True)
@@ -40,7 +54,7 @@ class BlockOut:
     token_ids: list[int] = field(default_factory=list)
     sparse_ids: list[np.ndarray] = field(default_factory=list)  # per guess, for sampled rows
     sparse_probs: list[np.ndarray] = field(default_factory=list)
-    error: str = ""
+    error: BlockError = BlockError.NONE
 
 
 @dataclass
@@ -89,30 +103,20 @@ class DraftWorker:
             self.drafter.remove(k)
         return len(keys)
 
-    def release_anywhere(self, seq_id: str) -> bool:
-        """Release a sequence id on whichever stream holds it (the Release RPC)."""
-        keys = [k for k in self.states if k.split("/", 1)[1] == seq_id]
-        for k in keys:
-            self.states.pop(k)
-            self.drafter.remove(k)
-        return bool(keys)
-
-    def open(self, stream: str, seq: OpenSeq) -> str:
-        """Start a sequence; returns an error message, or "" on success."""
+    def open(self, stream: str, seq: OpenSeq) -> BlockError:
+        """Start a sequence; BlockError.NONE on success."""
         k = self.key(stream, seq.seq_id)
         if k in self.states:
             self.release(stream, seq.seq_id)  # a re-open after a desync starts from scratch
-        if not seq.token_ids:
-            return "empty context"
+        if not seq.token_ids or min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab:
+            return BlockError.INVALID_CONTEXT
         if len(seq.token_ids) >= self.max_len:
-            return f"context of {len(seq.token_ids)} tokens exceeds the draft's {self.max_len}"
-        if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab:
-            return "token id outside the draft's vocabulary"
+            return BlockError.CONTEXT_FULL
         if self.drafter.free_slots == 0:
-            return "draft out of cache slots"
+            return BlockError.NO_CAPACITY
         self.drafter.add(k, seq.token_ids)
         self.states[k] = _State(list(seq.token_ids), seq.params)
-        return ""
+        return BlockError.NONE
 
     @torch.inference_mode()
     def propose(self, stream: str, reqs: list[ProposeReq]) -> list[BlockOut]:
@@ -128,7 +132,7 @@ class DraftWorker:
             k = self.key(stream, r.seq_id)
             st = self.states.get(k)
             if st is None:
-                out[r.seq_id] = BlockOut(r.seq_id, error="unknown sequence")
+                out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.UNKNOWN_SEQUENCE)
                 continue
             if self.drafter.has_proposed(k):
                 self.drafter.accepted(k, r.num_accepted)
@@ -136,17 +140,17 @@ class DraftWorker:
             if len(st.tokens) != r.committed_length or not 0 < r.k <= self.max_k:
                 # Out of sync (or a bad k): drop the sequence; the target re-opens it.
                 self.release(stream, r.seq_id)
-                out[r.seq_id] = BlockOut(r.seq_id, error="out of sync: re-open the sequence")
+                out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.OUT_OF_SYNC)
                 continue
             if len(st.tokens) + r.k > self.max_len:
-                out[r.seq_id] = BlockOut(r.seq_id, error="context limit reached")
+                # The context only grows: the target stops asking (and releases it).
+                out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.CONTEXT_FULL)
                 continue
             if not self.drafter.ready(k):
                 out[r.seq_id] = BlockOut(r.seq_id)  # still prefilling: no guesses this round, no error
                 continue
             greedy = st.params.greedy
-            gen = None if greedy else make_generator(r.round_seed)  # on the CPU: sampling.py says why
-            rows.append(DraftRow(k, st.tokens, r.k, greedy, gen))
+            rows.append(DraftRow(k, st.tokens, r.k, greedy, None if greedy else r.round_seed))
             params.append(st.params)
             out[r.seq_id] = BlockOut(r.seq_id)
         if rows:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specd.services.common.constants import MAX_SPECULATIVE_TOKENS
+
 # Drafter codes of the decision arrays; "none" is k = 0.
 NGRAM, MODEL = 0, 1
 DRAFTER_NAMES = ("ngram", "draft")
@@ -248,7 +250,7 @@ def choose_solo(
 class ControllerConfig:
     """Knobs of the statistics and the exploration (defaults measured to be robust, see README)."""
 
-    kmax: int = 16  # positions tracked (the engine's MAX_SPECULATIVE_TOKENS)
+    kmax: int = MAX_SPECULATIVE_TOKENS  # positions tracked
     prior_acceptance: float = 0.6  # before anything is known, per position
     global_prior_weight: float = 4.0  # pseudo-observations of prior_acceptance in the engine-wide rate
     global_decay: float = 0.995  # per round, engine-wide counts (about 200 rounds of memory)

@@ -24,7 +24,7 @@ from specd.services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CAC
 from specd.services.engine.model import CausalLM
 from specd.services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
-from specd.services.engine.sparse import truncate_probs
+from specd.services.engine.sparse import SparseProbs, truncate_probs
 
 
 @dataclass
@@ -35,7 +35,7 @@ class DraftRow:
     tokens: list[int]  # every committed token, prompt included; the last one is not yet in any cache
     k: int
     greedy: bool
-    generator: torch.Generator | None = None
+    seed: int | None = None  # sampled rows of a model drafter: this round's seed for the guesses
 
 
 @dataclass
@@ -43,7 +43,8 @@ class Proposal:
     """Guesses for a batch of rows, padded to the longest k with -1."""
 
     token_ids: torch.Tensor  # [B, K] long
-    probs: torch.Tensor | None  # [B, K, V] float32, or None for point-mass guesses
+    # [B, K, V] float32, the same sparse (a remote draft's, as it came), or None for point-mass guesses
+    probs: torch.Tensor | SparseProbs | None
 
 
 class Drafter(Protocol):
@@ -66,6 +67,9 @@ class Drafter(Protocol):
 
     def ready(self, seq_id: str) -> bool:
         """Whether the sequence can be proposed for (its prompt is prefilled)."""
+
+    def close(self) -> None:
+        """Release what the drafter holds outside this process (streams, channels); idempotent."""
 
 
 def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
@@ -98,6 +102,9 @@ class NGramDrafter:
 
     def ready(self, seq_id: str) -> bool:
         return True
+
+    def close(self) -> None:
+        pass
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
@@ -210,6 +217,9 @@ class ModelDrafter:
     def active(self) -> int:
         return len(self.seqs)
 
+    def close(self) -> None:
+        pass  # everything it holds is in this process
+
     @property
     def free_slots(self) -> int:
         return self.cache.free_slots
@@ -261,7 +271,7 @@ class ModelDrafter:
         starts = [s.cache_len for s in states]
         greedy = torch.tensor([r.greedy for r in rows], device=device)
         any_sampled = not all(r.greedy for r in rows)
-        u = uniforms((K,), [r.generator for r in rows], B, device) if any_sampled else None  # [B, K]
+        u = uniforms((K,), [r.seed for r in rows], B, device) if any_sampled else None  # [B, K]
 
         logits = self.model.forward(inp.to(device), self.cache, self.cache.layout(slots, starts, M, device), "all")
         logits = logits[torch.arange(B, device=device), last_idx].unsqueeze(1)  # [B, 1, V]

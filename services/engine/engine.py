@@ -36,6 +36,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.services.common.constants import (
+    AUTO_NUM_TOKENS,
+    DEFAULT_SPECULATION_METHOD,
+    MAX_SPECULATIVE_TOKENS,
+    METHODS_USING_DRAFT_MODEL,
+    SPECULATION_METHODS,
+)
 from specd.services.engine.controller import (
     DRAFTER_NAMES,
     MODEL,
@@ -47,28 +54,17 @@ from specd.services.engine.controller import (
 )
 from specd.services.engine.detokenize import Detokenizer
 from specd.services.engine.drafters import Drafter, DraftRow, ModelDrafter, NGramDrafter
+from specd.services.engine.errors import ErrorCode, Field, RequestError
 from specd.services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
 from specd.services.engine.model import CausalLM, check_same_vocab
 from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, PrefillRow, chunk_budget, plan_chunk, prefill_pass
 from specd.services.engine.rejection import greedy_verify, rejection_sample
-from specd.services.engine.sampling import (
-    BatchSampling,
-    SamplingParams,
-    make_generator,
-    processed_probs,
-    round_generator,
-)
+from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed, make_generator, processed_probs
+from specd.services.engine.sparse import SparseProbs
 from specd.services.engine.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
-# "hybrid": n-gram lookup first; rows without a match this round ask the draft model.
-# "auto": the controller chooses k and the drafter per sequence and round (the draft model only if loaded).
-METHODS = ("auto", "draft", "ngram", "hybrid", "none")
-USES_DRAFT_MODEL = ("draft", "hybrid")
-MAX_SPECULATIVE_TOKENS = 16
-AUTO_NUM_TOKENS = 6  # largest k "auto" may choose unless the request says otherwise
-FIXED_NUM_TOKENS = 3  # default k of the fixed methods (best measured k for the demo pair, README)
 # Who made a row's verified guesses, by the controller's drafter code (NGRAM, MODEL, -1 = nobody).
 DRAFTER_LABELS = (*DRAFTER_NAMES, "none")
 
@@ -77,14 +73,16 @@ DRAFTER_LABELS = (*DRAFTER_NAMES, "none")
 class SpecConfig:
     """How one request speculates."""
 
-    method: str = "auto"
+    method: str = DEFAULT_SPECULATION_METHOD  # one of SPECULATION_METHODS (services/common/constants.py)
     num_tokens: int = AUTO_NUM_TOKENS  # for "auto": the largest k allowed
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculation method must be one of {METHODS}, got {self.method!r}")
+        if self.method not in SPECULATION_METHODS:
+            raise RequestError(
+                f"speculation method must be one of {SPECULATION_METHODS}, got {self.method!r}", Field.SPECULATION
+            )
         if not 0 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
+            raise RequestError(f"num_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]", Field.SPECULATION)
 
     @property
     def k(self) -> int:
@@ -121,6 +119,20 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request must fit, fixed for the engine's lifetime: what a front end (the target's
+    servicer) may know of the engine without touching it."""
+
+    max_len: int  # prompt + generated tokens
+    vocab_size: int
+    has_model_drafter: bool  # the "draft" and "hybrid" methods are available
+
+    @property
+    def speculation_methods(self) -> tuple[str, ...]:
+        return tuple(m for m in SPECULATION_METHODS if self.has_model_drafter or m not in METHODS_USING_DRAFT_MODEL)
+
+
 @dataclass
 class StepOutput:
     """What one round produced for one request."""
@@ -152,8 +164,8 @@ class _Seq:
     req: Request
     slot: int
     tokens: list[int]
-    generator: torch.Generator
-    draft_generator: torch.Generator
+    generator: torch.Generator  # the request's random stream: one seed per round for the verification
+    draft_generator: torch.Generator  # and one per round for the draft model's guesses
     detok: Detokenizer
     prompt_len: int
     order: int  # admission order: the youngest is preempted first
@@ -182,8 +194,9 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         drafter: Drafter | None = None,
     ) -> None:
-        """``draft`` is an in-process draft model; ``drafter`` any other model drafter (e.g. a client
-        of a remote draft service) serving the "draft" and "hybrid" methods. At most one of the two."""
+        """``draft`` is an in-process draft model (the engine sizes its drafter's cache like its own);
+        ``drafter`` any other model drafter object (e.g. a client of remote draft services) serving
+        the "draft" and "hybrid" methods. At most one of the two; :meth:`close` closes it."""
         self.target = target
         self.tokenizer = tokenizer
         self.config = config
@@ -202,16 +215,15 @@ class Engine:
                 self.max_len,
             )
         self.cache = target.new_paged_cache(config.max_batch_size, blocks, bs, cache_len)
-        self.drafters: dict[str, Drafter] = {"ngram": NGramDrafter(config.ngram_min, config.ngram_max)}
+        self.ngram = NGramDrafter(config.ngram_min, config.ngram_max)
         if draft is not None and drafter is not None:
             raise ValueError("pass a draft model or a drafter, not both")
         if draft is not None:
             check_same_vocab(target.info, draft.info)
             # As many positions as the target's pool: the draft is never the tighter limit.
             draft_memory = blocks * bs * draft.kv_bytes_per_token
-            self.drafters["draft"] = ModelDrafter(draft, config.max_batch_size, cache_len, 0, draft_memory, bs)
-        elif drafter is not None:
-            self.drafters["draft"] = drafter
+            drafter = ModelDrafter(draft, config.max_batch_size, cache_len, 0, draft_memory, bs)
+        self.model_drafter: Drafter | None = drafter  # the draft model, here or remote; None: n-gram only
         self.eos = frozenset(target.info.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, _Seq] = {}
@@ -225,28 +237,43 @@ class Engine:
         self.device = target.device
         self.controller = SpeculationController(ControllerConfig(kmax=MAX_SPECULATIVE_TOKENS))
 
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.max_len, self.target.info.vocab_size, self.model_drafter is not None)
+
+    def close(self) -> None:
+        """Close the model drafter (a remote one's streams and channels)."""
+        if self.model_drafter is not None:
+            self.model_drafter.close()
+
     # -------------------------------------------------------------------------- requests
 
     def validate(self, req: Request) -> None:
-        """Raise ValueError for a request this engine can never serve (independent of engine state)."""
+        """Raise :class:`RequestError` for a request this engine can never serve (independent of
+        engine state)."""
         if not req.prompt_ids:
-            raise ValueError("prompt is empty")
+            raise RequestError("prompt is empty", Field.PROMPT)
         if len(req.prompt_ids) >= self.max_len:
-            raise ValueError(
+            raise RequestError(
                 f"this model's maximum context length is {self.max_len} tokens; "
-                f"the prompt has {len(req.prompt_ids)} tokens"
+                f"the prompt has {len(req.prompt_ids)} tokens",
+                Field.PROMPT,
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             )
         vocab = self.target.info.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if req.spec.method in USES_DRAFT_MODEL and req.spec.k > 0 and "draft" not in self.drafters:
-            raise ValueError(f"speculation method {req.spec.method!r} needs a draft model; none is loaded")
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", Field.PROMPT)
+        if req.spec.method in METHODS_USING_DRAFT_MODEL and req.spec.k > 0 and self.model_drafter is None:
+            raise RequestError(
+                f"speculation method {req.spec.method!r} needs a draft model; none is loaded", Field.SPECULATION
+            )
 
     def add_request(self, req: Request) -> None:
-        """Queue a request; it joins the batch at the next round with a free slot."""
+        """Validate and queue a request (:class:`RequestError` if it cannot be served); it joins the
+        batch at the next round with a free slot."""
         self.validate(req)
         if req.request_id in self.running or any(w.request_id == req.request_id for w in self.waiting):
-            raise ValueError(f"duplicate request id {req.request_id!r}")
+            raise RequestError(f"request id {req.request_id!r} is already running")
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> None:
@@ -267,6 +294,8 @@ class Engine:
         if not seqs:
             return outputs
         ks = [self._block_size(s) for s in seqs]
+        # The round's sampling settings as tensors, once; drafting and verifying take their rows.
+        sampling = BatchSampling.from_params([s.req.params for s in seqs], self.device)
         routes = [s.req.spec.method for s in seqs]  # per row: who guesses this round
         planned = any(r == "auto" for r in routes) and max(ks) > 0
         matched: dict[int, torch.Tensor] = {}
@@ -274,7 +303,7 @@ class Engine:
             ks, routes, matched = self._plan(seqs, ks, routes)
         t0 = time.perf_counter()
         # [B, K], [B, K, V] | None, per row NGRAM / MODEL / -1, and the draft model's share of the work
-        guesses, q, drafted, model_work = self._propose(seqs, ks, routes, matched)
+        guesses, q, drafted, model_work = self._propose(seqs, ks, routes, matched, sampling)
         from_model = [d == MODEL for d in drafted]
         t1 = time.perf_counter()
         K = guesses.shape[1]
@@ -283,7 +312,7 @@ class Engine:
         layout = self.cache.layout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
         logits = self.target.forward(inputs, self.cache, layout, "all")  # [B, K+1, V]
         self.rounds += 1
-        token_ids, num_emitted = self._verify(seqs, logits, guesses, q, from_model)
+        token_ids, num_emitted = self._verify(seqs, logits, guesses, q, from_model, sampling)
         # The one host sync of the round: tokens, how many to emit, how many guesses were made.
         guessed = (guesses >= 0).sum(dim=1, keepdim=True)
         host = torch.cat([token_ids, num_emitted.unsqueeze(1), guessed], dim=1).tolist()
@@ -335,11 +364,13 @@ class Engine:
             )
             self._admitted += 1
             if self._may_use_model(req):
-                self.drafters["draft"].add(req.request_id, prompt, req.params)
+                self.model_drafter.add(req.request_id, prompt, req.params)
             self.running[req.request_id] = seq
 
     def _may_use_model(self, req: Request) -> bool:
-        return req.spec.method in USES_DRAFT_MODEL or (req.spec.method == "auto" and "draft" in self.drafters)
+        if self.model_drafter is None:
+            return False
+        return req.spec.method in METHODS_USING_DRAFT_MODEL or req.spec.method == "auto"
 
     def _prefill(self) -> None:
         """One chunked-prefill pass of the target over the sequences still prefilling, and one of
@@ -361,8 +392,8 @@ class Engine:
             self.prefill_passes += 1
             for s, n in rows:
                 s.cached += n
-        if "draft" in self.drafters:
-            self.drafters["draft"].prefill(budget)
+        if self.model_drafter is not None:
+            self.model_drafter.prefill(budget)
 
     def _take_blocks(self, seq: _Seq) -> bool:
         seq.has_blocks = self.cache.reserve(seq.slot, len(seq.tokens))
@@ -406,8 +437,8 @@ class Engine:
         """The controller's choice for the "auto" rows: their k and route ("draft", "ngram", "none"),
         and their n-gram guesses where the n-gram was chosen. Other rows keep their method and k
         and are priced in as they are (they set a minimum width of the round)."""
-        lookup = self.drafters["ngram"]
-        have_model = "draft" in self.drafters
+        lookup = self.ngram
+        have_model = self.model_drafter is not None
         matches: dict[int, list[int]] = {}
         rows = []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
@@ -457,7 +488,12 @@ class Engine:
         self.controller.observe_costs(len(seqs), width, seconds, steps, model_rows, model_seconds)
 
     def _propose(
-        self, seqs: list[_Seq], ks: list[int], routes: list[str], planned: dict[int, torch.Tensor]
+        self,
+        seqs: list[_Seq],
+        ks: list[int],
+        routes: list[str],
+        planned: dict[int, torch.Tensor],
+        sampling: BatchSampling,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], tuple[int, int, float]]:
         """Guesses [B, K] (-1 = none), model-draft probabilities [B, K, V] (None if no model drafted),
         per row who guessed (MODEL: the draft model; NGRAM: point masses; -1: nobody), and the draft
@@ -474,7 +510,7 @@ class Engine:
         matched: dict[int, torch.Tensor] = {i: g for i, g in planned.items() if ks[i] > 0}
         if ngram_idx:
             rows = [self._draft_row(seqs[i], ks[i], sampled_draft=False) for i in ngram_idx]
-            prop = self.drafters["ngram"].propose(rows, None)
+            prop = self.ngram.propose(rows, None)
             for row, i in enumerate(ngram_idx):
                 if prop.token_ids.shape[1] and prop.token_ids[row, 0] >= 0:  # host tensor: no sync
                     matched[i] = prop.token_ids[row]
@@ -483,15 +519,14 @@ class Engine:
             for i in active
             if (routes[i] == "draft" or (routes[i] == "hybrid" and i not in matched))
             # A draft still prefilling this prompt has nothing to guess from yet.
-            and self.drafters["draft"].ready(seqs[i].req.request_id)
+            and self.model_drafter.ready(seqs[i].req.request_id)
         ]
         model_prop = None
         model_seconds = 0.0
         if model_idx:
             t0 = time.perf_counter()
-            sampling = BatchSampling.from_params([seqs[i].req.params for i in model_idx], self.device)
             rows = [self._draft_row(seqs[i], ks[i], sampled_draft=True) for i in model_idx]
-            model_prop = self.drafters["draft"].propose(rows, sampling)
+            model_prop = self.model_drafter.propose(rows, sampling.select(model_idx))
             model_seconds = time.perf_counter() - t0
         width_model = model_prop.token_ids.shape[1] if model_prop is not None else 0
         K = max([width_model] + [int((g >= 0).sum()) for g in matched.values()])
@@ -503,7 +538,15 @@ class Engine:
         if model_prop is not None:
             idx_t = torch.tensor(model_idx, device=self.device)
             guesses[idx_t, :width_model] = model_prop.token_ids.to(self.device)
-            if model_prop.probs is not None:
+            if isinstance(model_prop.probs, SparseProbs):
+                # q crossed the network sparse: densified once, straight into the round's q.
+                sp = model_prop.probs
+                q = torch.zeros((B, K, self.target.info.vocab_size), device=self.device)
+                ids = torch.zeros((B, K, sp.ids.shape[-1]), dtype=torch.long, device=self.device)
+                probs = torch.zeros(ids.shape, device=self.device)
+                ids[idx_t, :width_model], probs[idx_t, :width_model] = sp.ids.to(self.device), sp.probs.to(self.device)
+                q.scatter_add_(-1, ids, probs)
+            elif model_prop.probs is not None:
                 q = torch.zeros((B, K, model_prop.probs.shape[-1]), device=self.device)
                 q[idx_t, :width_model] = model_prop.probs
         model_set = set(model_idx)
@@ -513,10 +556,11 @@ class Engine:
 
     def _draft_row(self, seq: _Seq, k: int, sampled_draft: bool) -> DraftRow:
         greedy = seq.req.params.greedy
-        # A model draft of a sampled row draws from a fresh generator seeded by the request's draft
-        # stream; n-gram lookups and greedy rows use no randomness, so they take no draw.
-        gen = round_generator(seq.draft_generator) if sampled_draft and not greedy else None
-        return DraftRow(seq.req.request_id, seq.tokens, k, greedy, gen)
+        # A model draft of a sampled row draws from a generator of its own, seeded by one draw from
+        # the request's draft stream (sampling.py says why a round's draws are kept apart); n-gram
+        # lookups and greedy rows use no randomness, so they take no draw.
+        seed = draw_seed(seq.draft_generator) if sampled_draft and not greedy else None
+        return DraftRow(seq.req.request_id, seq.tokens, k, greedy, seed)
 
     def _verify(
         self,
@@ -525,6 +569,7 @@ class Engine:
         guesses: torch.Tensor,
         q: torch.Tensor | None,
         from_model: list[bool],
+        sampling: BatchSampling,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, K1 = logits.shape[0], logits.shape[1]
         token_ids = torch.full((B, K1), -1, dtype=torch.long, device=self.device)
@@ -541,12 +586,12 @@ class Engine:
             if not rows:
                 continue
             r = torch.tensor(rows, device=self.device)
-            sampling = BatchSampling.from_params([seqs[i].req.params for i in rows], self.device)
-            p = processed_probs(logits[r], sampling)  # [b, K+1, V]
+            p = processed_probs(logits[r], sampling.select(rows))  # [b, K+1, V]
             # q is None when no model row got guesses this round (every draft service down, say):
             # those rows verify no guesses, so there is nothing to compare against.
             draft_probs = q[r] if with_q and q is not None else None
-            t, n = rejection_sample(p, guesses[r], draft_probs, [round_generator(seqs[i].generator) for i in rows])
+            # One seed per row and round from the request's own stream (sampling.py says why).
+            t, n = rejection_sample(p, guesses[r], draft_probs, [draw_seed(seqs[i].generator) for i in rows])
             token_ids[r], num_emitted[r] = t, n
         return token_ids, num_emitted
 
@@ -555,7 +600,7 @@ class Engine:
         seq.stats.record_round(proposed, accepted, len(new), k)
         self.totals.record_round(proposed, accepted, len(new), k)
         if drafter == MODEL:
-            self.drafters["draft"].accepted(seq.req.request_id, accepted)
+            self.model_drafter.accepted(seq.req.request_id, accepted)
         params = seq.req.params
         reason = None
         if not params.ignore_eos:
@@ -593,7 +638,7 @@ class Engine:
         self.running.pop(seq.req.request_id, None)
         self.cache.release(seq.slot)
         if self._may_use_model(seq.req):
-            self.drafters["draft"].remove(seq.req.request_id)
+            self.model_drafter.remove(seq.req.request_id)
 
     # ------------------------------------------------------------------------ helpers
 

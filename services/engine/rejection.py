@@ -19,7 +19,8 @@ import torch
 
 from specd.services.engine.sampling import sample_from, uniforms
 
-Generators = torch.Generator | Sequence[torch.Generator] | None
+# One generator for the batch, or per row a generator or a round's seed (sampling.uniforms).
+Generators = torch.Generator | Sequence[torch.Generator | int] | None
 
 
 def _emit(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,8 @@ def rejection_sample(
     draft_token_ids [B, k] long: proposals (-1 = none at this position).
     draft_probs [B, k, V] float or None: the proposal distributions q the drafts were sampled from;
         None means point-mass proposals (n-gram lookup), q(d) = 1.
-    generator: one generator for the whole batch, one per row (seeded requests), or None (global RNG).
+    generator: one generator for the whole batch, one per row (a generator or a round's seed: seeded
+        requests), or None (global RNG).
     Returns (token_ids [B, k+1] long padded with -1, num_emitted [B] long).
 
     Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the

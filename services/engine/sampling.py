@@ -5,10 +5,12 @@ compares distributions that saw the same temperature / top-k / top-p processing:
 speculation lossless for the distribution the user asked for.
 
 Randomness comes from one ``torch.Generator`` per request (seeded from the request's ``seed`` or from
-OS entropy), so a seeded request repeats exactly whatever else shares its batch. Request generators
-live on the CPU whatever device the model runs on: PyTorch refuses a draw on one device from a
-generator of another, a CPU stream gives a seed the same draws on every device, and a round needs
-only k+1 uniforms per row, moved to the model's device in one copy.
+OS entropy), so a seeded request repeats exactly whatever else shares its batch. Each round takes
+one seed from it per row (:func:`draw_seed`), and that seed travels as a plain integer (to a draft
+service too) until the one place that draws, :func:`uniforms`. Request generators live on the CPU
+whatever device the model runs on: PyTorch refuses a draw on one device from a generator of
+another, a CPU stream gives a seed the same draws on every device, and a round needs only k+1
+uniforms per row, moved to the model's device in one copy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specd.services.engine.errors import RequestError
 
 
 @dataclass(frozen=True)
@@ -34,41 +38,55 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise RequestError("temperature must be >= 0")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise RequestError("top_k must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
+            raise RequestError("top_p must be in (0, 1]")
         if self.max_tokens <= 0:
-            raise ValueError("max_tokens must be > 0")
+            raise RequestError("max_tokens must be > 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def truncates(self) -> bool:
+        """Sampled with top-k or top-p (the distribution needs a sort)."""
+        return (self.top_k > 0 or self.top_p < 1.0) and not self.greedy
+
 
 @dataclass
 class BatchSampling:
-    """Per-row sampling parameters of a batch, as tensors, plus host-side flags to skip work."""
+    """Per-row sampling parameters of a batch, as tensors, plus host-side flags to skip work.
+
+    Built once per round from the rows' :class:`SamplingParams`; a step that works on some of the
+    rows takes :meth:`select` of it rather than building its own.
+    """
 
     temperature: torch.Tensor  # [B] float, greedy rows hold 1.0 (their probs are never sampled)
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B] float
     needs_sort: bool = False  # any sampled row with top-k or top-p
+    truncating: tuple[bool, ...] = ()  # per row, host side: SamplingParams.truncates
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
+        truncating = tuple(p.truncates for p in params)
         return cls(
             temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
-            needs_sort=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
+            needs_sort=any(truncating),
+            truncating=truncating,
         )
 
     def select(self, rows: Sequence[int]) -> BatchSampling:
-        """The same settings for a subset of the rows."""
+        """The same settings for a subset of the rows (sorting only if one of those needs it)."""
         idx = torch.tensor(rows, device=self.temperature.device)
-        return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.needs_sort)
+        truncating = tuple(self.truncating[i] for i in rows) if self.truncating else ()
+        needs_sort = any(truncating) if self.truncating else self.needs_sort
+        return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], needs_sort, truncating)
 
 
 def processed_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
@@ -122,13 +140,14 @@ def draw_seed(generator: torch.Generator) -> int:
 
 def uniforms(
     shape_tail: tuple[int, ...],
-    generator: torch.Generator | Sequence[torch.Generator | None] | None,
+    generator: torch.Generator | Sequence[torch.Generator | int | None] | None,
     batch: int,
     device: torch.device | str,
 ) -> torch.Tensor:
     """Float64 uniforms in [0, 1), [batch, *shape_tail].
 
-    ``generator`` is one generator for the whole batch (or None: the global one), or one per row.
+    ``generator`` is one generator for the whole batch (or None: the global one), or one per row:
+    a generator, or a round's seed (:func:`draw_seed`), drawn from a generator made here, on the CPU.
     With one per row the loop is over requests, not tokens: each request consumes its own random
     stream, so seeded output does not depend on batch composition. Each generator draws on its own
     device; the result is moved to ``device`` once.
@@ -140,6 +159,7 @@ def uniforms(
         u = torch.rand((batch, *shape_tail), generator=generator, dtype=torch.float64, device=generator.device)
         return u.to(device)
     # A None entry (a greedy row beside sampled ones) draws from the global generator; its values go unused.
+    generator = [make_generator(g) if isinstance(g, int) else g for g in generator]
     draws = [
         torch.rand(shape_tail, generator=g, dtype=torch.float64, device=device if g is None else g.device)
         for g in generator

@@ -9,7 +9,19 @@ lossless for *any* proposal q, so sending only the truncated entries loses nothi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class SparseProbs:
+    """Proposal distributions as they cross the network: per row and guess the support's token ids
+    and their probabilities, padded with probability 0. The engine densifies them once, into its
+    round's q (:func:`to_dense` is the same scatter)."""
+
+    ids: torch.Tensor  # [B, K, m] long
+    probs: torch.Tensor  # [B, K, m] float32
 
 
 def truncate_probs(q: torch.Tensor, support: int) -> torch.Tensor:

@@ -38,12 +38,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from specd.services.common.constants import DEFAULT_DTYPE, DTYPE_NAMES
 from specd.services.common.process import die_with_parent, module_command
 from specd.services.engine.checkpoint import SafetensorsState
 from specd.services.engine.kv_cache import BlockTable, KVCache, PagedKVCache
 from specd.services.engine.llama import SUPPORTED_MODEL_TYPES, LlamaLM, LlamaShape, open_llama_checkpoint, read_llama
 from specd.services.engine.model import BatchLayout, PagedLayout
-from specd.services.paths import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     p = argparse.ArgumentParser(prog="python -m specd.services.engine.tensor_parallel", description=main.__doc__)
     p.add_argument("--model", required=True)
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=DEFAULT_DTYPE)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)

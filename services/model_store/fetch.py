@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specd.services.common.constants import DEMO_DRAFT, DEMO_TARGET
 from specd.services.model_store.pairs import ChunkedGGUF, ModelEntry, PairSpec, get_pair
-from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
 
 STAMP = "specd_fetch.json"
 STAMP_VERSION = 1

@@ -23,7 +23,6 @@ import ray
 
 from specd.services.common.ports import free_ports
 from specd.services.common.process import die_with_parent, specd_command, stop_process_group
-from specd.services.common.runtime import DEFAULT_SPINCOUNT
 
 
 def node_ip() -> str:
@@ -46,7 +45,6 @@ class ServiceHost:
         cmd = specd_command(*argv, "--host", "0.0.0.0")
         cmd += ["--port", str(port), "--metrics-port", str(metrics_port)]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        full_env.setdefault("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
+from specd.services.common.constants import DEFAULT_DTYPE, DEMO_DRAFT, DEMO_TARGET, DTYPE_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--host", default="0.0.0.0", help="gateway bind address")
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.add_argument("--api-key", default=None)
-    up.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    up.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_NAMES)
     up.add_argument("--device", default="cpu", help="cpu, or cuda: one GPU per draft and per target rank")
     up.add_argument("--cpus-per-draft", type=float, default=1.0)
     up.add_argument("--cpus-per-target-rank", type=float, default=1.0)

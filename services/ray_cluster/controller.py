@@ -26,6 +26,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from specd.services.common.constants import DEFAULT_DTYPE
 from specd.services.ray_cluster.actors import GatewayActor, ServiceActor
 from specd.v1 import target_pb2, target_pb2_grpc
 
@@ -48,7 +49,7 @@ class RayDeployConfig:
     gateway_port: int = 8000
     gateway_node: str | None = None  # Ray node id; default: wherever Ray places it
     api_key: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     device: str = "cpu"  # "cuda": one GPU per draft and per target rank
     cpus_per_draft: float = 1.0
     cpus_per_target_rank: float = 1.0

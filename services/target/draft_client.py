@@ -5,11 +5,20 @@ target assigned to it, so the draft batches them. A round sends, per sequence, o
 has not seen: how many of its last guesses were accepted and the tokens committed since. Sequences
 are opened lazily (in the first round that wants guesses) and released in-band.
 
-Faults never reach the engine: if an endpoint is down, times out or answers out of sync, its rows
-simply get no guesses this round (the target decodes them without speculation), its sequences are
-marked for re-opening, and the endpoint is retried with backoff. ``on_failure`` is told each time.
+Streams are opened as soon as an endpoint is known and wait for a draft that is not up yet; a
+stream is *up* once the draft's headers arrive, and only up streams are asked for guesses, so a
+draft that is down costs nothing but its guesses. That state is also the target's view of its
+drafts' health (:class:`StreamStates`): there is no separate probe.
 
-Used only from the engine thread, except for one reader thread per stream.
+Faults never reach the engine: an endpoint that breaks its stream, times out or answers out of
+sync gets no rows this round (the target decodes them without speculation), its sequences are
+opened again (or on another endpoint), and it is retried with backoff; ``on_failure`` is told each
+time. What a draft refuses is typed (DraftError) and acted on: a sequence whose context the draft
+cannot hold is never sent again, and k is capped by the room left in the draft's context
+(InfoResponse.max_context), so a draft with a shorter context than the target's drafts what fits
+and then stops being asked.
+
+Used only from the engine thread, except for one reader thread per stream and :class:`StreamStates`.
 """
 
 from __future__ import annotations
@@ -19,20 +28,27 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from specd.services.common.convert import sampling_to_pb
 from specd.services.common.grpc_server import CHANNEL_OPTIONS
 from specd.services.common.tls import TLSConfig, channel
 from specd.services.engine.drafters import DraftRow, Proposal
-from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed
+from specd.services.engine.sampling import BatchSampling, SamplingParams
+from specd.services.engine.sparse import SparseProbs
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# What to do about a row the draft did not serve (DraftError).
+REOPEN = (draft_pb2.DRAFT_ERROR_UNKNOWN_SEQUENCE, draft_pb2.DRAFT_ERROR_OUT_OF_SYNC)  # open it again next round
+NEVER_AGAIN = (draft_pb2.DRAFT_ERROR_CONTEXT_FULL, draft_pb2.DRAFT_ERROR_INVALID_CONTEXT)  # stop asking for it
+LATER = (draft_pb2.DRAFT_ERROR_NO_CAPACITY, draft_pb2.DRAFT_ERROR_DRAINING)  # open it again after a pause
 
 
 @dataclass(frozen=True)
@@ -44,26 +60,67 @@ class DraftClientConfig:
     tls: TLSConfig | None = None  # mutual TLS to the drafts (None: plaintext)
 
 
-class _Stream:
-    """One open Draft call: requests go in through a queue, a reader thread collects replies."""
+class StreamStates:
+    """Which draft endpoints have a stream up and taking sequences.
 
-    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub) -> None:
+    The one piece of the drafter other threads see: the streams' reader threads and the engine
+    thread write it, the target's Health (on its gRPC thread) reads it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._up: dict[str, object] = {}  # address -> the stream that is up there
+
+    def up(self, address: str, stream: object) -> None:
+        with self._lock:
+            self._up[address] = stream
+
+    def down(self, address: str, stream: object) -> None:
+        """``stream`` is no longer up (a newer stream to the same address keeps its state)."""
+        with self._lock:
+            if self._up.get(address) is stream:
+                del self._up[address]
+
+    def count(self, addresses: Iterable[str]) -> int:
+        with self._lock:
+            return sum(a in self._up for a in addresses)
+
+
+class _Stream:
+    """One Draft call: requests go in through a queue, a reader thread collects replies.
+
+    ``wait_for_ready``: while the draft is down (or not up yet) the call waits for it instead of
+    failing; it is up once the draft's headers arrive (the draft sends them at once)."""
+
+    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, address: str, states: StreamStates) -> None:
+        self.address = address
+        self.states = states
         self.requests: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()
+        self.connected = threading.Event()
         self.broken = threading.Event()
-        self.call = stub.Draft(iter(self.requests.get, None))
+        self.call = stub.Draft(iter(self.requests.get, None), wait_for_ready=True)
         self.reader = threading.Thread(target=self._read, daemon=True, name="draft-stream-reader")
         self.reader.start()
 
+    @property
+    def up(self) -> bool:
+        return self.connected.is_set() and not self.broken.is_set()
+
     def _read(self) -> None:
         try:
+            self.call.initial_metadata()  # returns when the draft answers, or when the call ends
+            if not self.call.done():
+                self.connected.set()
+                self.states.up(self.address, self)
             for reply in self.call:
                 self.replies.put(reply)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
-                log.warning("draft stream failed: %s", e.code())
+                log.warning("draft stream to %s failed: %s", self.address, e.code())
         finally:
             self.broken.set()
+            self.states.down(self.address, self)
             self.replies.put(None)
 
     def send(self, msg: draft_pb2.DraftRound) -> None:
@@ -90,53 +147,72 @@ class _Stream:
 
 
 class DraftEndpoint:
-    """One draft service address, with its stream (if any) and the sequences it holds."""
+    """One draft service address: its stream, its limits (from Info) and the sequences it holds."""
 
-    def __init__(self, address: str, cfg: DraftClientConfig) -> None:
+    def __init__(self, address: str, cfg: DraftClientConfig, states: StreamStates) -> None:
         self.address = address
         self.cfg = cfg
+        self.states = states
         self.channel = channel(address, cfg.tls, CHANNEL_OPTIONS)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: _Stream | None = None
+        self.info: grpc.Future | None = None  # InfoResponse, asked for with each new stream
         self.opened: set[str] = set()  # sequences the draft holds on the current stream
+        self.draining = False  # it refused a sequence because it is shutting down (this stream)
         self.retry_at = 0.0
         self.backoff = cfg.retry_initial
         self.assigned = 0  # sequences routed here (open or not)
 
     @property
     def up(self) -> bool:
-        return self.stream is not None and not self.stream.broken.is_set()
+        return self.stream is not None and self.stream.up and not self.draining
 
-    def usable(self) -> bool:
-        """Up, or down long enough that it is worth trying again."""
-        return self.up or time.monotonic() >= self.retry_at
+    @property
+    def max_context(self) -> int | None:
+        """The draft's longest sequence, once its Info has answered."""
+        if self.info is None or not self.info.done() or self.info.exception() is not None:
+            return None
+        return self.info.result().max_context
 
-    def ensure_stream(self) -> bool:
-        if self.up:
-            return True
-        if time.monotonic() < self.retry_at:
-            return False
-        self.stream = _Stream(self.stub)
+    def open_stream(self) -> None:
+        """A new stream (and a new Info) if there is none and the backoff has passed."""
+        if self.stream is not None or time.monotonic() < self.retry_at:
+            return
+        self.stream = _Stream(self.stub, self.address, self.states)
+        self.info = None
         self.opened.clear()
-        return True
+        self.draining = False
+
+    def ask_info(self) -> None:
+        """Ask the draft for its limits once its stream is up (again, if the last answer failed)."""
+        if self.up and (self.info is None or (self.info.done() and self.info.exception() is not None)):
+            self.info = self.stub.Info.future(common_pb2.InfoRequest(), timeout=self.cfg.round_timeout)
 
     def fail(self) -> None:
         """Drop the stream; its sequences must be re-opened; retry after a growing backoff."""
-        if self.stream is not None:
-            self.stream.close()
-        self.stream = None
-        self.opened.clear()
+        self._drop_stream()
         self.retry_at = time.monotonic() + self.backoff
         self.backoff = min(self.backoff * 2, self.cfg.retry_max)
 
     def succeeded(self) -> None:
         self.backoff = self.cfg.retry_initial
 
-    def close(self) -> None:
+    def refusing(self) -> None:
+        """It refused a sequence because it is draining: no new sequences, and not healthy."""
+        self.draining = True
+        if self.stream is not None:
+            self.states.down(self.address, self.stream)
+
+    def _drop_stream(self) -> None:
         if self.stream is not None:
             self.stream.close()
-            self.stream = None
+            self.states.down(self.address, self.stream)
+        self.stream = None
+        self.info = None
         self.opened.clear()
+
+    def close(self) -> None:
+        self._drop_stream()
         self.channel.close()
 
 
@@ -146,6 +222,8 @@ class _SeqState:
     sampling: common_pb2.SamplingParams  # what the draft needs to build the same q as the target's p
     known: int = 0  # committed tokens the draft has seen
     num_accepted: int = 0  # of the last proposal, to report next round
+    full: bool = False  # no draft can take it any more (its context outgrew the draft's): never asked again
+    retry_at: float = 0.0  # refused for want of room: not asked again before then
 
 
 class RemoteDrafter:
@@ -157,6 +235,7 @@ class RemoteDrafter:
         vocab_size: int,
         device: torch.device | str = "cpu",
         on_failure: Callable[[str], None] | None = None,
+        states: StreamStates | None = None,
     ) -> None:
         if not cfg.addresses:
             raise ValueError("at least one draft address is needed")
@@ -164,7 +243,10 @@ class RemoteDrafter:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.on_failure = on_failure or (lambda address: None)
-        self.endpoints = [DraftEndpoint(a, cfg) for a in cfg.addresses]
+        self.states = states or StreamStates()
+        self.endpoints = [DraftEndpoint(a, cfg, self.states) for a in cfg.addresses]
+        for e in self.endpoints:
+            e.open_stream()
         self.seqs: dict[str, _SeqState] = {}
         self._round_ids = itertools.count(1)
 
@@ -175,10 +257,18 @@ class RemoteDrafter:
         self.seqs[seq_id].endpoint.assigned += 1
 
     def prefill(self, budget: int) -> None:
-        pass  # each draft service prefills its sequences itself, a chunk per round
+        """Called every engine step, with or without work: each draft service prefills its own
+        sequences, so this only keeps the streams: a broken one counts as a failure, and an
+        endpoint without a stream gets a new one once its backoff has passed."""
+        for ep in self.endpoints:
+            if ep.stream is not None and ep.stream.broken.is_set():
+                self._failed(ep, "its stream ended")
+            ep.open_stream()
+            ep.ask_info()
 
     def ready(self, seq_id: str) -> bool:
-        return True  # a draft still prefilling answers with an empty block: no guesses that round
+        # A draft still prefilling answers with an empty block (no guesses that round) instead.
+        return not self.seqs[seq_id].full
 
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         st = self.seqs.get(seq_id)
@@ -190,47 +280,55 @@ class RemoteDrafter:
         if st is None:
             return
         st.endpoint.assigned -= 1
-        ep = st.endpoint
-        if seq_id in ep.opened and ep.up:
-            ep.opened.discard(seq_id)
-            # Sent now, not with the next round: with no other traffic the draft must still free it.
-            ep.stream.send(draft_pb2.DraftRound(round_id=0, release=[seq_id]))
+        self._release(st.endpoint, seq_id)
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
         K = max(r.k for r in rows)
         token_ids = torch.full((len(rows), K), -1, dtype=torch.long)
         any_sampled = any(not r.greedy for r in rows)
-        probs = torch.zeros((len(rows), K, self.vocab_size), device=self.device) if any_sampled else None
-        by_ep: dict[int, list[int]] = {}
+        by_ep: dict[int, list[tuple[int, int]]] = {}  # endpoint -> (row, k to ask)
         for i, r in enumerate(rows):
-            st = self.seqs[r.seq_id]
-            if not st.endpoint.usable():
+            if not self.seqs[r.seq_id].endpoint.up:
                 self._reassign(r.seq_id)
-            by_ep.setdefault(id(self.seqs[r.seq_id].endpoint), []).append(i)
+            st = self.seqs[r.seq_id]
+            k = self._askable(r, st)
+            if k > 0:
+                by_ep.setdefault(id(st.endpoint), []).append((i, k))
         # Send every endpoint its round first, then collect: the drafts work in parallel.
         pending: list[tuple[DraftEndpoint, int, list[int]]] = []
-        for idx in by_ep.values():
-            ep = self.seqs[rows[idx[0]].seq_id].endpoint
-            if not ep.ensure_stream():
-                continue
+        for asks in by_ep.values():
+            ep = self.seqs[rows[asks[0][0]].seq_id].endpoint
             round_id = next(self._round_ids)
-            ep.stream.send(self._round_msg(ep, round_id, [rows[i] for i in idx]))
-            pending.append((ep, round_id, idx))
+            ep.stream.send(self._round_msg(ep, round_id, [(rows[i], k) for i, k in asks]))
+            pending.append((ep, round_id, [i for i, _ in asks]))
         deadline = time.monotonic() + self.cfg.round_timeout
+        blocks: dict[int, draft_pb2.Block] = {}  # row -> its block
         for ep, round_id, idx in pending:
             reply = ep.stream.receive(round_id, deadline) if ep.stream is not None else None
             if reply is None:
-                self._failed(ep)
+                self._failed(ep, "it did not answer")
                 continue
             ep.succeeded()
-            self._fill(reply, {rows[i].seq_id: i for i in idx}, rows, token_ids, probs)
+            by_id = {rows[i].seq_id: i for i in idx}
+            for b in reply.blocks:
+                i = by_id.get(b.sequence_id)
+                if i is not None and self._usable_block(b, rows[i]):
+                    blocks[i] = b
+        for i, b in blocks.items():
+            n = min(len(b.token_ids), rows[i].k)
+            token_ids[i, :n] = torch.tensor(b.token_ids[:n], dtype=torch.long)
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
             return Proposal(token_ids[:, :0].to(self.device), None)
-        return Proposal(token_ids[:, :width].to(self.device), None if probs is None else probs[:, :width])
+        probs = self._sparse_q(blocks, rows, len(rows), width) if any_sampled else None
+        return Proposal(token_ids[:, :width].to(self.device), probs)
 
-    # ------------------------------------------------------------------ internals
+    def close(self) -> None:
+        for e in self.endpoints:
+            e.close()
+
+    # ------------------------------------------------------------------ endpoints
 
     def set_addresses(self, addresses: Sequence[str]) -> None:
         """Speculate with exactly these draft services from now on (replicas scaled or re-resolved).
@@ -247,7 +345,9 @@ class RemoteDrafter:
         wanted = list(dict.fromkeys(addresses))
         current = {e.address: e for e in self.endpoints}
         gone = [e for e in self.endpoints if e.address not in wanted]
-        self.endpoints = [current.get(a) or DraftEndpoint(a, self.cfg) for a in wanted]
+        self.endpoints = [current.get(a) or DraftEndpoint(a, self.cfg, self.states) for a in wanted]
+        for e in self.endpoints:
+            e.open_stream()
         for e in gone:
             e.close()
         for seq_id, st in self.seqs.items():
@@ -259,8 +359,8 @@ class RemoteDrafter:
         return tuple(e.address for e in self.endpoints)
 
     def _pick(self) -> DraftEndpoint:
-        """The usable endpoint with the fewest sequences (any endpoint if none is usable)."""
-        candidates = [e for e in self.endpoints if e.usable()] or self.endpoints
+        """The up endpoint with the fewest sequences (any endpoint if none is up)."""
+        candidates = [e for e in self.endpoints if e.up] or self.endpoints
         return min(candidates, key=lambda e: e.assigned)
 
     def _reassign(self, seq_id: str) -> None:
@@ -268,15 +368,45 @@ class RemoteDrafter:
         new = self._pick()
         if new is not st.endpoint:
             st.endpoint.assigned -= 1
-            st.endpoint.opened.discard(seq_id)
+            self._release(st.endpoint, seq_id)
             new.assigned += 1
-            self.seqs[seq_id] = _SeqState(new, st.sampling)
+            self.seqs[seq_id] = _SeqState(new, st.sampling, full=st.full)
 
-    def _round_msg(self, ep: DraftEndpoint, round_id: int, rows: list[DraftRow]) -> draft_pb2.DraftRound:
+    def _failed(self, ep: DraftEndpoint, why: str) -> None:
+        log.warning("draft %s failed (%s); decoding without its guesses", ep.address, why)
+        ep.fail()
+        self.on_failure(ep.address)
+
+    def _release(self, ep: DraftEndpoint, seq_id: str) -> None:
+        """Free the draft's copy now (with no other traffic the draft must still free it)."""
+        if seq_id in ep.opened:
+            ep.opened.discard(seq_id)
+            if ep.stream is not None:
+                ep.stream.send(draft_pb2.DraftRound(round_id=0, release=[seq_id]))
+
+    # ------------------------------------------------------------------ rounds
+
+    def _askable(self, r: DraftRow, st: _SeqState) -> int:
+        """How many guesses to ask of the row's draft now: none when its endpoint is not up, when it
+        was refused for want of room a moment ago, or when its context is past the draft's
+        (which is then final); else k capped by the room left in the draft's context."""
+        ep = st.endpoint
+        if st.full or not ep.up or time.monotonic() < st.retry_at:
+            return 0
+        room = r.k if ep.max_context is None else ep.max_context - len(r.tokens)
+        if room <= 0:
+            self._never_again(r.seq_id, st)
+            return 0
+        return min(r.k, room)
+
+    def _never_again(self, seq_id: str, st: _SeqState) -> None:
+        st.full = True
+        self._release(st.endpoint, seq_id)
+
+    def _round_msg(self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]]) -> draft_pb2.DraftRound:
         msg = draft_pb2.DraftRound(round_id=round_id)
-        for r in rows:
+        for r, k in asks:
             st = self.seqs[r.seq_id]
-            seed = 0 if r.generator is None else draw_seed(r.generator)
             if r.seq_id not in ep.opened:
                 msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
                 ep.opened.add(r.seq_id)
@@ -286,41 +416,45 @@ class RemoteDrafter:
                 num_accepted=st.num_accepted,
                 new_token_ids=r.tokens[st.known :],
                 committed_length=len(r.tokens),
-                num_tokens=r.k,
-                round_seed=seed,
+                num_tokens=k,
+                round_seed=r.seed or 0,
             )
             st.known, st.num_accepted = len(r.tokens), 0
         return msg
 
-    def _fill(self, reply, index: dict[str, int], rows, token_ids: torch.Tensor, probs: torch.Tensor | None) -> None:
-        for b in reply.blocks:
-            i = index.get(b.sequence_id)
-            if i is None:
-                continue
-            if b.error:
-                # The draft dropped (or never opened) it: open it again next round.
-                self.seqs[b.sequence_id].endpoint.opened.discard(b.sequence_id)
-                continue
-            n = min(len(b.token_ids), rows[i].k)
-            if n == 0:
-                continue
-            if probs is not None and not rows[i].greedy:
-                if len(b.probs) < n:
-                    continue  # a sampled row without its q cannot be verified losslessly
-                for j in range(n):
-                    d = b.probs[j]
-                    probs[i, j, torch.tensor(d.token_ids, dtype=torch.long)] = torch.tensor(list(d.probs))
-            token_ids[i, :n] = torch.tensor(b.token_ids[:n], dtype=torch.long)
+    def _usable_block(self, b: draft_pb2.Block, row: DraftRow) -> bool:
+        """Act on the block's error, if any; whether it carries guesses to use."""
+        st = self.seqs[row.seq_id]
+        ep = st.endpoint
+        if b.error == draft_pb2.DRAFT_ERROR_UNSPECIFIED:
+            # A sampled row without its q cannot be verified losslessly.
+            return bool(b.token_ids) and (row.greedy or len(b.probs) >= min(len(b.token_ids), row.k))
+        if b.error in REOPEN:
+            ep.opened.discard(row.seq_id)  # the draft dropped (or never had) it
+        elif b.error in NEVER_AGAIN:
+            ep.opened.discard(row.seq_id)
+            self._never_again(row.seq_id, st)
+        elif b.error in LATER:
+            ep.opened.discard(row.seq_id)
+            st.retry_at = time.monotonic() + self.cfg.retry_initial
+            if b.error == draft_pb2.DRAFT_ERROR_DRAINING:
+                ep.refusing()  # its sequences move to another draft, if there is one, next round
+        else:
+            log.warning("draft %s: unknown error %d for %s", ep.address, b.error, row.seq_id)
+            ep.opened.discard(row.seq_id)
+        return False
 
-    def _failed(self, ep: DraftEndpoint) -> None:
-        log.warning("draft %s did not answer; decoding without its guesses", ep.address)
-        ep.fail()
-        self.on_failure(ep.address)
-
-    @property
-    def healthy_endpoints(self) -> int:
-        return sum(e.up for e in self.endpoints)
-
-    def close(self) -> None:
-        for e in self.endpoints:
-            e.close()
+    def _sparse_q(
+        self, blocks: dict[int, draft_pb2.Block], rows: Sequence[DraftRow], B: int, width: int
+    ) -> SparseProbs:
+        """The sampled rows' q as they came, [B, width, m], padded with probability 0."""
+        m = max((len(d.token_ids) for b in blocks.values() for d in b.probs), default=1)
+        ids = np.zeros((B, width, m), dtype=np.int64)
+        probs = np.zeros((B, width, m), dtype=np.float32)
+        for i, b in blocks.items():
+            if rows[i].greedy:
+                continue
+            for j, d in enumerate(b.probs[: min(width, rows[i].k, len(b.token_ids))]):
+                ids[i, j, : len(d.token_ids)] = d.token_ids
+                probs[i, j, : len(d.probs)] = d.probs
+        return SparseProbs(torch.from_numpy(ids), torch.from_numpy(probs))

@@ -3,9 +3,11 @@
 It runs on the process's main thread (:meth:`EngineLoop.run`; services/common/main_thread.py says
 why).
 
-gRPC handlers (on the asyncio loop) talk to it only through :meth:`EngineLoop.submit` and
-:meth:`EngineLoop.abort`, which enqueue commands; outputs go back through each request's ``sink``
-(a thread-safe callback). Nothing else touches the engine, so it needs no locks.
+gRPC handlers (on the asyncio loop) talk to it only through :meth:`EngineLoop.submit`,
+:meth:`EngineLoop.abort` and :meth:`EngineLoop.call`, which enqueue commands; what comes back goes
+through each request's ``sink`` (a thread-safe callback): :data:`ACCEPTED` once the engine has
+validated and queued the request (or the :class:`RequestError` that refused it), then its outputs.
+Nothing else touches the engine, so it needs no locks.
 """
 
 from __future__ import annotations
@@ -16,11 +18,19 @@ import threading
 from collections.abc import Callable
 
 from specd.services.engine.engine import Engine, Request, StepOutput
+from specd.services.engine.errors import RequestError
 from specd.services.target.metrics import SpecExporter
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[StepOutput | Exception], None]
+
+class _Accepted:
+    def __repr__(self) -> str:
+        return "ACCEPTED"
+
+
+ACCEPTED = _Accepted()  # first on a request's sink when the engine took it
+Sink = Callable[[StepOutput | Exception | _Accepted], None]
 
 
 class EngineLoop:
@@ -40,31 +50,38 @@ class EngineLoop:
         self.inbox.put(("wake",))
 
     def submit(self, req: Request, sink: Sink) -> None:
+        """Validate and queue ``req`` on the engine thread; ``sink`` hears ACCEPTED or the
+        RequestError first."""
         self.inbox.put(("add", req, sink))
 
-    def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
+    def abort(self, request_id: str, sink: Sink) -> None:
+        """Stop the request ``sink`` was submitted with (not another one that has its id)."""
+        self.inbox.put(("abort", request_id, sink))
 
-    def set_draft_addresses(self, addresses: tuple[str, ...]) -> None:
-        """Switch the remote drafter to these draft endpoints before the next round."""
-        self.inbox.put(("drafts", addresses))
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread before the next round (e.g. new draft endpoints)."""
+        self.inbox.put(("call", fn))
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, req, sink = cmd
             try:
                 self.engine.add_request(req)
-            except ValueError as e:
+            except RequestError as e:
                 sink(e)
                 return
             self.sinks[req.request_id] = sink
+            sink(ACCEPTED)
         elif cmd[0] == "abort":
-            self.engine.abort(cmd[1])
-            self.sinks.pop(cmd[1], None)
-        elif cmd[0] == "drafts":
-            drafter = self.engine.drafters.get("draft")
-            if drafter is not None and hasattr(drafter, "set_addresses"):
-                drafter.set_addresses(cmd[1])
+            _, rid, sink = cmd
+            if self.sinks.get(rid) is sink:
+                self.engine.abort(rid)
+                del self.sinks[rid]
+        elif cmd[0] == "call":
+            try:
+                cmd[1]()
+            except Exception:  # a bug there must not take the engine down
+                log.exception("engine-thread call failed")
 
     def _drain(self) -> None:
         idle = not self.engine.has_work()

@@ -106,7 +106,7 @@ def test_auto_batch_equals_each_alone_greedy_and_seeded(engine: Engine) -> None:
     for r in reqs:
         alone = engine.generate([r])[r.request_id]
         assert alone.token_ids == together[r.request_id].token_ids, r
-    assert engine.active_slots == 0 and engine.drafters["draft"].active == 0
+    assert engine.active_slots == 0 and engine.model_drafter.active == 0
 
 
 def test_requests_join_between_rounds(engine: Engine) -> None:
@@ -184,7 +184,7 @@ def test_stop_string_cuts_text_and_finishes(engine: Engine) -> None:
 def test_abort_frees_both_caches(engine: Engine) -> None:
     engine.add_request(Request("ab", _ids(engine, PROMPTS[0]), _greedy(100), SpecConfig("draft", 4)))
     engine.step()
-    drafter = engine.drafters["draft"]
+    drafter = engine.model_drafter
     assert engine.active_slots == 1 and drafter.active == 1
     engine.abort("ab")
     outs = engine.step()

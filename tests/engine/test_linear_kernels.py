@@ -99,7 +99,7 @@ def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
         ModelSpec(str(target), str(draft), "float32", "float32", draft_quantize="int8"),
         EngineConfig(max_batch_size=4, max_model_len=256),
     )
-    assert engine.drafters["draft"].model.kernel_name == "specd-avx2-int8"
+    assert engine.model_drafter.model.kernel_name == "specd-avx2-int8"
     prompts = [tuple(encode_text(engine.tokenizer, p)) for p in ("def f(x):\n", "import os\n", "class A:\n")]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=7)

@@ -120,7 +120,7 @@ def test_full_pool_makes_requests_wait_and_preempts_never_fails(tiny_pair) -> No
     alone = _engine(tiny_pair)
     for r in reqs:
         assert got[r.request_id] == alone.generate([r])[r.request_id].token_ids, r.request_id
-    assert eng.cache.free_blocks == eng.cache.num_blocks and eng.drafters["draft"].cache.free_slots == 4
+    assert eng.cache.free_blocks == eng.cache.num_blocks and eng.model_drafter.cache.free_slots == 4
 
 
 def test_max_model_len_defaults_to_the_models_context(tiny_pair) -> None:
@@ -156,7 +156,7 @@ def test_paged_cache_forward_equals_the_static_cache(tiny_pair) -> None:
 def test_draft_worker_prefills_in_chunks_without_errors(tiny_pair) -> None:
     """The draft service opens a long sequence and answers empty blocks (no error) until its
     prompt is prefilled, a chunk a round; then it guesses as one-shot prefill would."""
-    from specd.services.draft.worker import DraftWorker, OpenSeq, ProposeReq
+    from specd.services.draft.worker import BlockError, DraftWorker, OpenSeq, ProposeReq
     from specd.services.engine.drafters import ModelDrafter
 
     model = load_model(str(tiny_pair[1]), torch.float32, "cpu")
@@ -165,12 +165,12 @@ def test_draft_worker_prefills_in_chunks_without_errors(tiny_pair) -> None:
 
     def run(chunk: int) -> tuple[int, list[int]]:
         worker = DraftWorker(ModelDrafter(model, 2, 200), 180, 0, MAX_SPECULATIVE_TOKENS, prefill_chunk=chunk)
-        assert worker.open("s", OpenSeq("x", tokens, greedy)) == ""
+        assert worker.open("s", OpenSeq("x", tokens, greedy)) is BlockError.NONE
         rounds = 0
         while True:
             rounds += 1
             (block,) = worker.propose("s", [ProposeReq("x", 0, [], len(tokens), 3, 0)])
-            assert block.error == ""
+            assert block.error is BlockError.NONE
             if block.token_ids:
                 return rounds, block.token_ids
 

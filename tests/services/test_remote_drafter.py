@@ -76,7 +76,7 @@ def test_remote_sparse_speculation_matches_target(micro_pair, micro_draft_servic
         ]
         res = engine.generate(reqs)
     finally:
-        engine.drafters["draft"].close()
+        engine.close()
     proposed = sum(r.stats.proposed_tokens for r in res.values())
     accepted = sum(r.stats.accepted_tokens for r in res.values())
     assert proposed > 0 and 0.1 < accepted / proposed < 0.95, "the test needs both accepts and rejects"
@@ -103,7 +103,7 @@ def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_service) -> N
             ]
         )
     finally:
-        engine.drafters["draft"].close()
+        engine.close()
     assert sum(r.stats.proposed_tokens for r in spec.values()) > 0
     for i in range(len(prompts)):
         assert spec[f"s{i}"].token_ids == base[f"b{i}"].token_ids
@@ -169,7 +169,7 @@ def test_sampled_rows_decode_without_guesses_when_no_draft_answers(micro_pair) -
         spec = engine.generate(requests("draft", 3))
         base = engine.generate(requests("none", 0))
     finally:
-        engine.drafters["draft"].close()
+        engine.close()
     assert sum(r.stats.proposed_tokens for r in spec.values()) == 0  # the draft really never answered
     for i in range(len(prompts)):
         assert len(spec[f"draft{i}"].token_ids) == 12
@@ -208,7 +208,7 @@ def test_remote_drafter_with_per_sequence_k_that_skips_rounds(micro_pair, micro_
         )
         base = engine.generate([Request(f"b{i}", p, greedy, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
     finally:
-        engine.drafters["draft"].close()
+        engine.close()
     for i in range(len(prompts)):
         assert spec[f"a{i}"].token_ids == base[f"b{i}"].token_ids
     for r in spec.values():

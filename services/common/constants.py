@@ -1,0 +1,38 @@
+"""The values every process agrees on, defined once: speculation methods, block sizes, dtypes, the
+demo pair. The gateway, the CLI, the engine and the services import them from here.
+
+Standard library only: the CLI reads this before torch is imported, and the gateway never imports
+torch at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# How a request speculates. "auto": the controller picks k and the drafter per sequence and round;
+# "draft": the draft model; "ngram": prompt lookup inside the target; "hybrid": n-gram lookup
+# first, the draft model in rounds where it finds nothing; "none": no guesses.
+SPECULATION_METHODS = ("auto", "draft", "ngram", "hybrid", "none")
+DEFAULT_SPECULATION_METHOD = "auto"
+METHODS_USING_DRAFT_MODEL = ("draft", "hybrid")  # "auto" uses it too, when one is loaded
+
+# Guesses per round (k). The largest block a request may ask for sizes every KV cache's headroom.
+MAX_SPECULATIVE_TOKENS = 16
+AUTO_NUM_TOKENS = 6  # the largest k "auto" may choose unless the request says otherwise
+FIXED_NUM_TOKENS = 3  # k of the fixed methods by default (the best measured k for the demo pair, README)
+
+
+def default_num_tokens(method: str) -> int:
+    """The k a request of ``method`` gets when it names none ("auto": the largest it may choose)."""
+    return AUTO_NUM_TOKENS if method == "auto" else FIXED_NUM_TOKENS
+
+
+# Model weights' dtypes, by the names the command line and the configs use.
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DEFAULT_DTYPE = "bfloat16"
+
+# The bundled demo pair. The installed package mirrors the checkout (specd/services beside
+# specd/models, as services/ beside models/; setup.py), so one relative path finds it in both.
+DEMO_MODELS = Path(__file__).resolve().parents[2] / "models"
+DEMO_TARGET = DEMO_MODELS / "demo-target"
+DEMO_DRAFT = DEMO_MODELS / "demo-draft"
