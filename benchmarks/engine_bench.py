@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from specd.services.common.constants import DEFAULT_DTYPE
+from specd.services.common.constants import DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.engine.builder import DTYPES, ModelSpec, build_engine
 from specd.services.engine.chat import encode_chat, encode_text
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
@@ -242,7 +242,8 @@ def run_engine_bench(cfg: BenchConfig) -> dict:
     warm = prompt_sets["code"][0]
     for method in ("none", "draft", "ngram"):
         for t in cfg.temperatures:
-            engine.generate([Request(f"warm-{method}-{t}", warm, _params(t, 8, 0), SpecConfig(method, 4))])
+            spec = SpecConfig(method, FIXED_NUM_TOKENS)
+            engine.generate([Request(f"warm-{method}-{t}", warm, _params(t, 8, 0), spec)])
     costs = measure_costs(engine, cfg.ks)
 
     # Every configuration runs once per repeat, interleaved, so slow drifts of this noisy machine

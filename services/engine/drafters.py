@@ -229,7 +229,8 @@ class ModelDrafter:
         return self.seqs[seq_id].fed_until > 0
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
+    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
+        """``sampling``: the rows' settings (None when every row is greedy)."""
         # A row whose blocks for this proposal cannot be had (the pool is full) gets no guesses.
         # Every row writes guesses up to the widest block.
         K = max(r.k for r in rows)

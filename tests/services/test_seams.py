@@ -209,3 +209,42 @@ def test_short_draft_context_refusal_stops_the_asking(tiny_pair, short_draft, mo
     last_length, last_k = rows[-1]
     assert last_length + last_k > DRAFT_CONTEXT  # the refused row was the last one sent
     assert all(length + k <= DRAFT_CONTEXT for length, k in rows[:-1])
+
+
+def test_engine_loop_accepts_refuses_and_aborts_by_submission(tiny_pair) -> None:
+    """The loop answers each submission first (ACCEPTED or the RequestError), and an abort stops
+    only the submission it names: a refused duplicate id cannot abort the request that has it."""
+    import queue
+    import threading
+
+    from specd.services.target.loop import ACCEPTED, EngineLoop
+    from specd.services.target.metrics import SpecExporter
+
+    loop = EngineLoop(target_engine(tiny_pair[0], max_batch_size=2), SpecExporter())
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        params = SamplingParams(0.0, max_tokens=12, ignore_eos=True)
+        first, dup, other = queue.Queue(), queue.Queue(), queue.Queue()
+        loop.submit(Request("same", (5, 6, 7), params, SpecConfig("ngram", 2)), first.put)
+        loop.submit(Request("same", (8, 9), params, SpecConfig("ngram", 2)), dup.put)
+        loop.abort("same", dup.put)  # the refused one's abort: a no-op
+        assert first.get(timeout=30) is ACCEPTED
+        assert isinstance(dup.get(timeout=30), RequestError)
+        loop.submit(
+            Request("other", (5, 6), SamplingParams(0.0, max_tokens=400, ignore_eos=True), SpecConfig("none", 0)),
+            other.put,
+        )
+        assert other.get(timeout=30) is ACCEPTED
+        loop.abort("other", other.put)
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs.append(first.get(timeout=30))
+        assert sum(len(o.token_ids) for o in outs) == 12 and outs[-1].finish_reason == "length"
+        # Looked at on the engine thread (the loop's own way in): "other" is gone, its slot freed.
+        state: queue.Queue = queue.Queue()
+        loop.call(lambda: state.put((set(loop.engine.running), loop.engine.active_slots)))
+        assert state.get(timeout=30) == (set(), 0)
+    finally:
+        loop.stop()
+        thread.join(timeout=30)
