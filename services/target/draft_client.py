@@ -432,8 +432,7 @@ class RemoteDrafter:
         if b.error in REOPEN:
             ep.opened.discard(row.seq_id)  # the draft dropped (or never had) it
         elif b.error in NEVER_AGAIN:
-            ep.opened.discard(row.seq_id)
-            self._never_again(row.seq_id, st)
+            self._never_again(row.seq_id, st)  # released, as a draft may hold it (refused at a round)
         elif b.error in LATER:
             ep.opened.discard(row.seq_id)
             st.retry_at = time.monotonic() + self.cfg.retry_initial

@@ -170,6 +170,8 @@ def _generate_past_the_draft_context(tiny_pair, draft, rid: str) -> tuple[list[i
         params = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
         prompt = tuple(range(30, 40))
         spec = engine.generate([Request(rid, prompt, params, SpecConfig("draft", 4))])[rid]
+        # Its stream still open: the draft has freed the sequence all the same.
+        _wait(lambda: draft.servicer.worker.active == 0)
         base = engine.generate([Request("base", prompt, params, SpecConfig("none", 0))])["base"]
         assert spec.stats.proposed_tokens > 0  # it did speculate while the sequence fit
         return spec.token_ids, base.token_ids
