@@ -60,6 +60,16 @@ INT4_GROUP = 32  # weights per (scale, min) pair; the kernel's layout depends on
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8_reference`, by the compiled kernel where it is available (the same bytes,
+    tested; the Python one took seconds of a cold start for the 0.5B draft)."""
+    from services.engine import kernels
+
+    if weight.device.type == "cpu" and kernels.ensure_built():
+        return tuple(torch.ops.specd_kernels.quantize_int8(weight))
+    return quantize_int8_reference(weight)
+
+
+def quantize_int8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric weight-only int8, one fp32 scale per output row: ``weight ~= q * scale[:, None]``."""
     # Row by row in blocks, in place: a whole-matrix float copy per step cost seconds at load.
     q = torch.empty(weight.shape, dtype=torch.int8)
@@ -72,46 +82,101 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+INT4_SUPER = 256  # weights per super-block: one fp16 (d, dmin) pair over 8 groups' uint8 (sc, m)
+
+
+def int4_row_bytes(k: int) -> int:
+    """Bytes of one int4 row record of ``k`` weights (see :func:`quantize_int4`)."""
+    return k // 2 + 2 * (k // INT4_GROUP) + 4 * -(-k // INT4_SUPER)
+
+
+def pack_int4(nibbles: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel's row records from their parts: ``nibbles`` uint8 [N, G, 32] (0..15), ``sc`` and
+    ``m`` uint8 [N, G], ``d`` and ``dmin`` fp16 [N, S]. Groups go in pairs: byte ``j`` of the 32 of groups
+    ``2p`` and ``2p + 1`` holds weight ``j`` of the first in its low nibble and of the second in its high
+    one (Q4_K's order); an odd last group takes 16 bytes, byte ``j`` holding its weights ``j`` and ``j + 16``."""
+    n, g, _ = nibbles.shape
+    k = g * INT4_GROUP
+    out = torch.empty(n, int4_row_bytes(k), dtype=torch.uint8)
+    even = g - g % 2
+    pairs = nibbles[:, :even].reshape(n, even // 2, 2, INT4_GROUP)
+    out[:, : even * 16] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, -1)
+    if g % 2:
+        out[:, even * 16 : k // 2] = nibbles[:, -1, :16] | (nibbles[:, -1, 16:] << 4)
+    out[:, k // 2 : k // 2 + g] = sc
+    out[:, k // 2 + g : k // 2 + 2 * g] = m
+    out[:, k // 2 + 2 * g :] = torch.cat([d.half(), dmin.half()], dim=1).view(torch.uint8)
+    return out
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor]:
-    """Asymmetric weight-only int4 in groups of :data:`INT4_GROUP` along a row, as the int4 kernel
-    reads it: one uint8 record per row, [N, K / 2 + K / 8]: the K / 2 bytes of nibbles, then the
-    groups' fp16 scales, then their fp16 mins. Weight ``i`` of a group is ``nibble * scale + min``.
-    Groups go in pairs: byte ``j`` of the 32 of groups ``2p`` and ``2p + 1`` holds weight ``j`` of
-    the first in its low nibble and of the second in its high one; an odd last group takes 16 bytes,
-    byte ``j`` holding its weights ``j`` and ``j + 16``."""
+    """:func:`quantize_int4_reference`, computed by the compiled kernel where it is available (the
+    same bytes, tested; the Python one takes tens of seconds for a 1.5B model)."""
+    from services.engine import kernels
+
+    if weight.shape[1] % INT4_GROUP:
+        raise ValueError(f"int4 needs a multiple of {INT4_GROUP} input features, got {weight.shape[1]}")
+    if weight.device.type == "cpu" and kernels.ensure_built():
+        return (torch.ops.specd_kernels.quantize_int4(weight),)
+    return quantize_int4_reference(weight)
+
+
+def quantize_int4_reference(weight: torch.Tensor) -> tuple[torch.Tensor]:
+    """Weight-only int4 in llama.cpp's Q4_K arrangement with 8-bit sub-scales, as the int4 kernel reads
+    it (``kernels/linear.h``): each row in super-blocks of up to 256 weights (8 groups of 32), weight
+    ``i`` of group ``g`` in super-block ``s`` being ``d[s] * sc[g] * q - dmin[s] * m[g]``, with ``q`` a
+    nibble, ``sc`` and ``m`` uint8 and ``d``, ``dmin`` fp16. Returns one uint8 record per row,
+    [N, :func:`int4_row_bytes` (K)]: nibbles (:func:`pack_int4`), sc, m, d, dmin.
+
+    Each group's range is its min (at most 0, as in Q4_K) to its max; the super-block's largest scale
+    and min set d and dmin, the group's are rounded to 8 bits against them, and the nibbles are chosen
+    against the rounded values the kernel will use."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ValueError(f"int4 needs a multiple of {INT4_GROUP} input features, got {k}")
-    g = k // INT4_GROUP
-    packed = torch.empty(n, k // 2 + 4 * g, dtype=torch.uint8)
+    g, s = k // INT4_GROUP, -(-k // INT4_SUPER)
+    per = INT4_SUPER // INT4_GROUP
+    parts = []
     for r0 in range(0, n, 2048):
         w = weight[r0 : r0 + 2048].float().view(-1, g, INT4_GROUP)
-        lo, hi = w.amin(dim=2), w.amax(dim=2)
-        # Rounded to fp16 first, so the nibbles are chosen against the scale the kernel will use.
-        s = ((hi - lo) / 15).clamp_min_(2**-24).half()
-        m = lo.half()
-        nib = (w - m.float()[..., None]).div_(s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        rows = packed[r0 : r0 + 2048]
-        pairs = nib[:, : g - g % 2].reshape(nib.shape[0], g // 2, 2, INT4_GROUP)
-        rows[:, : (g - g % 2) * 16] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(nib.shape[0], -1)
-        if g % 2:
-            rows[:, (g - 1) * 16 : k // 2] = nib[:, -1, :16] | (nib[:, -1, 16:] << 4)
-        rows[:, k // 2 :] = torch.cat([s, m], dim=1).view(torch.uint8)
-    return (packed,)
+        rows = w.shape[0]
+        lo = w.amin(dim=2).clamp_max(0.0)
+        scale = (w.amax(dim=2) - lo) / 15
+        neg_min = 0.0 - lo  # +0.0 where lo is 0 (a -0.0 would reach the fp16 dmin)
+
+        def super_max(v: torch.Tensor) -> torch.Tensor:  # [rows, G] -> [rows, S]
+            padded = torch.zeros(rows, s * per)
+            padded[:, :g] = v
+            return padded.view(rows, s, per).amax(dim=2)
+
+        d = (super_max(scale) / 255).half()
+        dmin = (super_max(neg_min) / 255).half()
+        d_g = d.float().repeat_interleave(per, dim=1)[:, :g]
+        dmin_g = dmin.float().repeat_interleave(per, dim=1)[:, :g]
+        sc = torch.where(d_g > 0, scale / d_g, torch.zeros_like(scale)).round_().clamp_(0, 255)
+        m = torch.where(dmin_g > 0, neg_min / dmin_g, torch.zeros_like(neg_min)).round_().clamp_(0, 255)
+        step, offset = (d_g * sc)[..., None], (dmin_g * m)[..., None]
+        q = torch.where(step > 0, (w + offset) / step, torch.zeros_like(w)).round_().clamp_(0, 15)
+        parts.append(pack_int4(q.to(torch.uint8), sc.to(torch.uint8), m.to(torch.uint8), d, dmin))
+    return (torch.cat(parts),)
 
 
-def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The fp32 weights an int4 layer stands for (for tests and quality checks)."""
-    n, k = packed.shape[0], packed.shape[1] * 8 // 5
-    g = k // INT4_GROUP
-    pairs = packed[:, : (g - g % 2) * 16].reshape(n, g // 2, 1, INT4_GROUP)
-    nib = torch.cat([pairs & 15, pairs >> 4], dim=2).reshape(n, g - g % 2, INT4_GROUP)
+def dequantize_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The fp32 weights [N, k] an int4 layer stands for (for tests, quality checks and GGUF imports)."""
+    n, g, s = packed.shape[0], k // INT4_GROUP, -(-k // INT4_SUPER)
+    per = INT4_SUPER // INT4_GROUP
+    even = g - g % 2
+    pairs = packed[:, : even * 16].reshape(n, even // 2, 1, INT4_GROUP)
+    nib = torch.cat([pairs & 15, pairs >> 4], dim=2).reshape(n, even, INT4_GROUP)
     if g % 2:
-        last = packed[:, (g - 1) * 16 : k // 2]
+        last = packed[:, even * 16 : k // 2]
         nib = torch.cat([nib, torch.cat([last & 15, last >> 4], dim=1)[:, None]], dim=1)
-    nib = nib.float()
-    sm = packed[:, k // 2 :].contiguous().view(torch.float16).float()
-    return (nib * sm[:, :g, None] + sm[:, g:, None]).reshape(n, k)
+    sc = packed[:, k // 2 : k // 2 + g].float()
+    m = packed[:, k // 2 + g : k // 2 + 2 * g].float()
+    dd = packed[:, k // 2 + 2 * g :].contiguous().view(torch.float16).float()
+    d = dd[:, :s].repeat_interleave(per, dim=1)[:, :g]
+    dmin = dd[:, s:].repeat_interleave(per, dim=1)[:, :g]
+    return (nib.float() * (d * sc)[..., None] - (dmin * m)[..., None]).reshape(n, k)
 
 
 class Linear:
@@ -137,6 +202,18 @@ class Linear:
             weight, *scales = quantize_int8(weight) if quantize == "int8" else quantize_int4(weight)
             self.scales = tuple(scales)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
+
+    @classmethod
+    def from_int4_records(cls, records: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """An int4 layer from ready records (a GGUF file's Q4_K blocks, :mod:`services.model_store.gguf_blocks`)."""
+        from services.engine import kernels
+
+        lin = cls.__new__(cls)
+        lin.bias, lin.scales, lin.prepacked, lin.weight = bias, (), False, records
+        lin.kernel = kernels.int4_linear()
+        if lin.kernel is None:
+            raise ValueError("int4 weights need the AVX2 kernels, which are unavailable on this machine")
+        return lin
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
@@ -205,21 +282,29 @@ class LlamaLM:
         prepack: bool | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         quantize: str | None = None,
+        int4_records: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """``int4_records``: under ``quantize="int4"``, ready int4 records by weight name (a GGUF file's
+        Q4_K tensors, :func:`services.model_store.gguf_blocks.read_q4k_linears`) used as they are."""
         self.shape = shape
         self.info = info
         self.dtype = dtype
         self.device = torch.device(device)
-        if prepack is None:
-            # oneDNN packing pays off for bf16 on CPU; fp32 stays on plain matmuls so identity tests
-            # compare against transformers with the same kernels.
-            prepack = self.device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_prepack_supported()
-        self.prepacked = prepack
         kernel = None
-        if not prepack and self.device.type == "cpu" and dtype == torch.bfloat16:
+        if prepack is not True and self.device.type == "cpu" and dtype == torch.bfloat16:
             from services.engine.kernels import bf16_linear
 
-            kernel = bf16_linear()  # None where it does not apply: torch's matmul then
+            kernel = bf16_linear()  # None where it does not apply
+        if prepack is None:
+            # bf16 on a CPU: our AVX2 kernels and the fused forward wherever they build (batch invariant
+            # end to end, so bf16 speculation is exact against the same model alone; oneDNN's packed
+            # matmul and bf16 attention are not), else oneDNN's packing where the CPU has it. fp32 stays
+            # on plain matmuls so identity tests compare against transformers with the same kernels.
+            prepack = kernel is None and self.device.type == "cpu" and dtype == torch.bfloat16
+            prepack = prepack and onednn_bf16_prepack_supported()
+        if prepack:
+            kernel = None
+        self.prepacked = prepack
         if quantize is not None and (quantize not in QUANTIZE_MODES or self.device.type != "cpu"):
             raise ValueError(f"weight quantization {quantize!r} is not available on {self.device.type}")
         self.kernel_name = "onednn-prepacked" if prepack else ("specd-avx2-bf16" if kernel else "torch")
@@ -241,11 +326,24 @@ class LlamaLM:
                 [p if p is not None else torch.zeros(s, dtype=dtype, device=self.device) for p, s in zip(parts, sizes)]
             )
 
+        records = int4_records or {}
+
+        def linear(names: list[str], bias: torch.Tensor | None) -> Linear:
+            """One linear layer over the row-concatenated weights ``names``; under int4 from a GGUF
+            file's own Q4_K blocks when all of them are Q4_K there, and int8 when the file keeps
+            any of them at more bits (Q4_K_M's Q6_K tensors)."""
+            mode = quantize
+            if mode == "int4" and records:
+                if all(n in records for n in names):
+                    return Linear.from_int4_records(torch.cat([records[n] for n in names]), bias)
+                mode = "int8"
+            weight = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            return Linear(weight, bias, prepack, kernel, mode)
+
         def row_linear(prefix: str) -> Linear | RowParallelLinear:
             if reduce is None:
-                return Linear(w(prefix + ".weight"), opt(prefix + ".bias"), prepack, kernel, quantize)
-            lin = Linear(w(prefix + ".weight"), None, prepack, kernel, quantize)
-            return RowParallelLinear(lin, opt(prefix + ".bias"), reduce)
+                return linear([prefix + ".weight"], opt(prefix + ".bias"))
+            return RowParallelLinear(linear([prefix + ".weight"], None), opt(prefix + ".bias"), reduce)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -260,26 +358,72 @@ class LlamaLM:
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_w = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])
             qkv_b = cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
-            gu_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            gu_b = cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b, prepack, kernel, quantize),
+                    qkv=linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], qkv_b),
                     o=row_linear(a + "o_proj"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        gu_w, cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]), prepack, kernel, quantize
-                    ),
+                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gu_b),
                     down=row_linear(p + "mlp.down_proj"),
                 )
             )
+        self.fused = self._fused_decoder(inv_freq, attention_scaling) if reduce is None else None
+        self.forward_path = "fused" if self.fused is not None else "per-op"
         pos = torch.arange(shape.max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * attention_scaling).to(device=self.device, dtype=dtype)  # [P, D]
         self.sin = (emb.sin() * attention_scaling).to(device=self.device, dtype=dtype)
+
+    def _fused_decoder(self, inv_freq: torch.Tensor, attention_scaling: float):
+        """The whole forward in one C++ call (``kernels/decoder.cpp``) where it applies: on a CPU, bf16,
+        every linear layer on our AVX2 kernels (not oneDNN's prepacked path), no tensor parallelism.
+        It holds the same weight tensors as the per-op path, so it costs no memory."""
+        s = self.shape
+        linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        if (
+            self.device.type != "cpu"
+            or self.dtype != torch.bfloat16
+            or any(lin.kernel is None or lin.prepacked for lin in linears)
+            or s.head_dim % 16
+            or s.hidden_size % 8
+        ):
+            return None
+        from services.engine.kernels import fused_decoder_class
+
+        cls = fused_decoder_class()
+        if cls is None:
+            return None
+        empty = torch.empty(0)
+
+        def parts(lin: Linear) -> list[torch.Tensor]:
+            scale = lin.scales[0] if lin.scales and lin.weight.dtype == torch.int8 else empty
+            return [lin.weight, scale, empty if lin.bias is None else lin.bias.float().contiguous()]
+
+        tensors = [self.embed, self.norm, inv_freq.float(), *parts(self.lm_head)]
+        for ly in self.layers:
+            tensors += [ly.attn_norm, *parts(ly.qkv), *parts(ly.o), ly.mlp_norm, *parts(ly.gate_up), *parts(ly.down)]
+        ffn = self.layers[0].gate_up.weight.shape[0] // 2 if self.layers else 0  # output rows, in any format
+        dims = [s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, ffn]
+        return cls(tensors, dims, s.rms_eps, float(attention_scaling))
+
+    def _fused_forward(
+        self, input_ids: torch.Tensor, cache: KVCache | PagedKVCache, layout: BatchLayout, logits_for: str
+    ) -> torch.Tensor | None:
+        s = self.shape
+        if isinstance(cache, PagedKVCache):
+            table, block_size, k, v = layout.table, layout.block_size, cache.k, cache.v
+        else:  # a static slot cache is a paged one with one block per slot
+            block_size = cache.k.shape[2]
+            table = torch.tensor(layout.slots, dtype=torch.long)[:, None]
+            k = cache.k.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+            v = cache.v.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+        starts = torch.tensor(layout.starts, dtype=torch.long)
+        mode = {"none": 0, "last": 1, "all": 2}[logits_for]
+        return self.fused.forward(input_ids, starts, table, block_size, k, v, mode)
 
     # ------------------------------------------------------------------------------ cache
 
@@ -324,6 +468,8 @@ class LlamaLM:
 
         ``logits_for``: "all" -> [B, T, V] float32, "last" -> [B, 1, V], "none" -> None (prefill).
         """
+        if self.fused is not None:
+            return self._fused_forward(input_ids, cache, layout, logits_for)
         s = self.shape
         B, T = input_ids.shape
         H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
