@@ -90,7 +90,9 @@ def int4_row_bytes(k: int) -> int:
     return k // 2 + 2 * (k // INT4_GROUP) + 4 * -(-k // INT4_SUPER)
 
 
-def pack_int4(nibbles: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> torch.Tensor:
+def pack_int4(
+    nibbles: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+) -> torch.Tensor:
     """The int4 kernel's row records from their parts: ``nibbles`` uint8 [N, G, 32] (0..15), ``sc`` and
     ``m`` uint8 [N, G], ``d`` and ``dmin`` fp16 [N, S]. Groups go in pairs: byte ``j`` of the 32 of groups
     ``2p`` and ``2p + 1`` holds weight ``j`` of the first in its low nibble and of the second in its high
@@ -225,6 +227,22 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+class LinearParts:
+    """Linear layers whose outputs are concatenated: a layer's q, k and v projections (or gate and up)
+    kept as separate weights for the fused forward, each in its own format (a GGUF file's Q4_K q and
+    k beside its Q6_K v, say). Called directly (the per-op path's tests) it concatenates outputs."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.weight.shape[0] for p in self.parts)
+
+
 class RowParallelLinear:
     """A linear whose input features are split across tensor-parallel ranks: each rank's partial
     product is summed over the ranks by ``reduce``, and the bias is added once, after the sum."""
@@ -240,10 +258,10 @@ class RowParallelLinear:
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    qkv: Linear
+    qkv: Linear | LinearParts
     o: Linear | RowParallelLinear
     mlp_norm: torch.Tensor
-    gate_up: Linear
+    gate_up: Linear | LinearParts
     down: Linear | RowParallelLinear
 
 
@@ -327,11 +345,16 @@ class LlamaLM:
             )
 
         records = int4_records or {}
+        # The fused forward takes a layer's q/k/v (and gate/up) as separate parts: no concatenated copy
+        # of the weights at load, which stay views of the checkpoint's memory map.
+        fusable = self._fusable(kernel, quantize, reduce)
 
-        def linear(names: list[str], bias: torch.Tensor | None) -> Linear:
-            """One linear layer over the row-concatenated weights ``names``; under int4 from a GGUF
-            file's own Q4_K blocks when all of them are Q4_K there, and int8 when the file keeps
-            any of them at more bits (Q4_K_M's Q6_K tensors)."""
+        def linear(names: list[str], bias: torch.Tensor | None) -> Linear | LinearParts:
+            """One linear layer over the row-concatenated weights ``names`` (``bias``: theirs,
+            concatenated). Under int4 from a GGUF file's own Q4_K blocks where they are Q4_K there,
+            and int8 where the file keeps them at more bits (Q4_K_M's Q6_K tensors)."""
+            if fusable and len(names) > 1:
+                return LinearParts([linear([n], opt(n.removesuffix(".weight") + ".bias")) for n in names])
             mode = quantize
             if mode == "int4" and records:
                 if all(n in records for n in names):
@@ -358,8 +381,8 @@ class LlamaLM:
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_b = cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
-            gu_b = cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
+            qkv_b = None if fusable else cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+            gu_b = None if fusable else cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
@@ -370,7 +393,7 @@ class LlamaLM:
                     down=row_linear(p + "mlp.down_proj"),
                 )
             )
-        self.fused = self._fused_decoder(inv_freq, attention_scaling) if reduce is None else None
+        self.fused = self._fused_decoder(inv_freq, attention_scaling) if fusable else None
         self.forward_path = "fused" if self.fused is not None else "per-op"
         pos = torch.arange(shape.max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]
@@ -378,37 +401,42 @@ class LlamaLM:
         self.cos = (emb.cos() * attention_scaling).to(device=self.device, dtype=dtype)  # [P, D]
         self.sin = (emb.sin() * attention_scaling).to(device=self.device, dtype=dtype)
 
-    def _fused_decoder(self, inv_freq: torch.Tensor, attention_scaling: float):
-        """The whole forward in one C++ call (``kernels/decoder.cpp``) where it applies: on a CPU, bf16,
-        every linear layer on our AVX2 kernels (not oneDNN's prepacked path), no tensor parallelism.
-        It holds the same weight tensors as the per-op path, so it costs no memory."""
+    def _fusable(self, kernel, quantize: str | None, reduce) -> bool:
+        """Whether the whole forward can run in one C++ call (``kernels/decoder.cpp``): on a CPU, bf16,
+        every linear layer on our AVX2 kernels (not oneDNN's prepacked path), no tensor parallelism."""
         s = self.shape
-        linears = [self.lm_head] + [lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
-        if (
-            self.device.type != "cpu"
-            or self.dtype != torch.bfloat16
-            or any(lin.kernel is None or lin.prepacked for lin in linears)
-            or s.head_dim % 16
-            or s.hidden_size % 8
-        ):
-            return None
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or reduce is not None:
+            return False
+        if (kernel is None and quantize is None) or s.head_dim % 16 or s.hidden_size % 8:
+            return False
         from services.engine.kernels import fused_decoder_class
 
-        cls = fused_decoder_class()
-        if cls is None:
-            return None
+        return fused_decoder_class() is not None
+
+    def _fused_decoder(self, inv_freq: torch.Tensor, attention_scaling: float):
+        """The fused forward, over the same weight tensors as the per-op path (no extra memory)."""
+        from services.engine.kernels import fused_decoder_class
+
+        s = self.shape
         empty = torch.empty(0)
+        tensors: list[torch.Tensor] = [self.embed, self.norm, inv_freq.float()]
+        parts_per_linear: list[int] = []
 
-        def parts(lin: Linear) -> list[torch.Tensor]:
-            scale = lin.scales[0] if lin.scales and lin.weight.dtype == torch.int8 else empty
-            return [lin.weight, scale, empty if lin.bias is None else lin.bias.float().contiguous()]
+        def add(lin: Linear | LinearParts) -> None:
+            parts = lin.parts if isinstance(lin, LinearParts) else [lin]
+            parts_per_linear.append(len(parts))
+            for part in parts:
+                scale = part.scales[0] if part.scales and part.weight.dtype == torch.int8 else empty
+                bias = empty if part.bias is None else part.bias.float().contiguous()
+                tensors.extend([part.weight, scale, bias])
 
-        tensors = [self.embed, self.norm, inv_freq.float(), *parts(self.lm_head)]
+        add(self.lm_head)
         for ly in self.layers:
-            tensors += [ly.attn_norm, *parts(ly.qkv), *parts(ly.o), ly.mlp_norm, *parts(ly.gate_up), *parts(ly.down)]
-        ffn = self.layers[0].gate_up.weight.shape[0] // 2 if self.layers else 0  # output rows, in any format
-        dims = [s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, ffn]
-        return cls(tensors, dims, s.rms_eps, float(attention_scaling))
+            tensors += [ly.attn_norm, ly.mlp_norm]
+            for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                add(lin)
+        dims = [s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim]
+        return fused_decoder_class()(tensors, parts_per_linear, dims, s.rms_eps, float(attention_scaling))
 
     def _fused_forward(
         self, input_ids: torch.Tensor, cache: KVCache | PagedKVCache, layout: BatchLayout, logits_for: str

@@ -286,7 +286,6 @@ def _own_llama(
     )
 
 
-
 # model_type -> builder(name_or_path, dtype, device). Everything else falls back to transformers.
 BACKENDS: dict[str, Callable[..., CausalLM]] = {
     "llama": _own_llama,

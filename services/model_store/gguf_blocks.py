@@ -54,7 +54,9 @@ def q4k_to_int4_records(blocks: np.ndarray, n: int, k: int) -> torch.Tensor:
     if k % Q4_K_WEIGHTS:
         raise ValueError(f"Q4_K rows are whole blocks of {Q4_K_WEIGHTS} weights, got {k}")
     s = k // Q4_K_WEIGHTS
-    b = torch.from_numpy(np.array(blocks, dtype=np.uint8).reshape(n, s, Q4_K_BLOCK_BYTES))  # a copy: the map is read-only
+    b = torch.from_numpy(
+        np.array(blocks, dtype=np.uint8).reshape(n, s, Q4_K_BLOCK_BYTES)
+    )  # a copy: the map is read-only
     dd, packed, qs = b[..., 0:4], b[..., 4:16].to(torch.int32), b[..., 16:]
     # ggml's get_scale_min_k4: groups 0-3 in the low 6 bits of bytes 0-3 (sc) and 4-7 (m); groups 4-7
     # from the low and high nibbles of bytes 8-11 with their top 2 bits in the top of bytes 0-3 / 4-7.

@@ -117,7 +117,9 @@ def test_bf16_greedy_speculation_is_token_identical_to_the_target_alone(tiny_pai
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     alone = engine.generate([Request(f"n{i}", p, params, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
     for method, k in (("draft", 2), ("draft", 4), ("ngram", 3), ("auto", 4)):
-        got = engine.generate([Request(f"{method}{i}", p, params, SpecConfig(method, k)) for i, p in enumerate(prompts)])
+        got = engine.generate(
+            [Request(f"{method}{i}", p, params, SpecConfig(method, k)) for i, p in enumerate(prompts)]
+        )
         for i in range(len(prompts)):
             assert got[f"{method}{i}"].token_ids == alone[f"n{i}"].token_ids, (method, k, i)
     assert engine.active_slots == 0

@@ -41,6 +41,10 @@ HEADERS = (HERE / "linear.h",)
 # SPECD_BF16_KERNEL=0 keeps torch's matmul (for A/B runs and as an escape hatch).
 ENV_SWITCH = "SPECD_BF16_KERNEL"
 FUSED_SWITCH = "SPECD_FUSED"
+# -ffp-contract=off: the compiler may not fuse a*b+c into one FMA on its own. It would do so in some
+# template instantiations (rows per block) and not others, and the rows' results would then differ
+# in the last bit with the batch size; every FMA the kernels use is written out.
+COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -55,7 +59,8 @@ def _cpu_has_avx2_fma() -> bool:
 def _build_dir() -> Path:
     from services.model_store.fetch import cache_root
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + torch.__version__.encode())
+    sources = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(sources + " ".join(COMPILE_FLAGS).encode() + torch.__version__.encode())
     digest = digest.hexdigest()[:12]
     return cache_root() / "torch_extensions" / f"specd_kernels-{digest}"
 
@@ -89,7 +94,7 @@ def ensure_built() -> bool:
             cpp_extension.load(
                 name="specd_kernels",
                 sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                extra_cflags=COMPILE_FLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
                 is_python_module=False,

@@ -81,9 +81,24 @@ inline float sum_squares(const float* x, int64_t n) {
   return s;
 }
 
+// A linear layer as one or more row blocks whose outputs sit side by side (a layer's q, k and v, or
+// gate and up, kept as separate weights, each in its own format).
+struct LinearSet {
+  std::vector<LinearWeights> parts;
+  int64_t N = 0, K = 0;
+  // y[M, N] (row stride ldo) = x[M, K] W^T + b, part by part.
+  void apply(const float* x, int64_t M, float* out, int64_t ldo) const {
+    int64_t offset = 0;
+    for (const LinearWeights& p : parts) {
+      specd::linear_any(p, x, M, out + offset, ldo);
+      offset += p.N;
+    }
+  }
+};
+
 struct Layer {
   at::Tensor attn_norm, mlp_norm;  // fp32 [d]
-  LinearWeights qkv, o, gate_up, down;
+  LinearSet qkv, o, gate_up, down;
 };
 
 LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias) {
@@ -109,27 +124,57 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
 
 class FusedDecoder : public torch::CustomClassHolder {
  public:
-  // tensors: embed (bf16 [V, d]), final norm, inv_freq (fp32 [D / 2]), then the head's (weight, scale,
-  // bias), then per layer: attn_norm, qkv (w, s, b), o (w, s, b), mlp_norm, gate_up (w, s, b), down (w, s, b).
-  // An absent scale or bias is an empty tensor. dims: hidden, layers, heads, kv_heads, head_dim, ffn.
-  FusedDecoder(std::vector<at::Tensor> tensors, std::vector<int64_t> dims, double eps, double rope_scaling)
+  // tensors: embed (bf16 [V, d]), final norm, inv_freq (fp32 [D / 2]), the head's parts, then per
+  // layer: attn_norm, mlp_norm, and the parts of qkv, o, gate_up, down. A part is (weight, scale,
+  // bias), an absent scale or bias an empty tensor; parts_per_linear counts them for the head and
+  // then each layer's four linears. dims: hidden, layers, heads, kv_heads, head_dim.
+  FusedDecoder(std::vector<at::Tensor> tensors, std::vector<int64_t> parts_per_linear, std::vector<int64_t> dims,
+               double eps, double rope_scaling)
       : keep_(std::move(tensors)), eps_(static_cast<float>(eps)), rope_scaling_(static_cast<float>(rope_scaling)) {
-    TORCH_CHECK(dims.size() == 6, "dims: hidden, layers, heads, kv_heads, head_dim, ffn");
-    d_ = dims[0], L_ = dims[1], H_ = dims[2], Hkv_ = dims[3], D_ = dims[4], F_ = dims[5];
-    TORCH_CHECK(keep_.size() == static_cast<size_t>(6 + 14 * L_), "expected ", 6 + 14 * L_, " tensors");
+    TORCH_CHECK(dims.size() == 5, "dims: hidden, layers, heads, kv_heads, head_dim");
+    d_ = dims[0], L_ = dims[1], H_ = dims[2], Hkv_ = dims[3], D_ = dims[4];
+    TORCH_CHECK(static_cast<int64_t>(parts_per_linear.size()) == 1 + 4 * L_, "parts_per_linear: head + 4 per layer");
     TORCH_CHECK(D_ % 16 == 0 && H_ % Hkv_ == 0 && d_ % 8 == 0, "unsupported head geometry");
-    embed_ = keep_[0];
+    size_t at = 0, lin = 0;
+    auto next = [&]() -> const at::Tensor& {
+      TORCH_CHECK(at < keep_.size(), "too few tensors for the layout");
+      return keep_[at++];
+    };
+    auto linear_set = [&](int64_t K_expected) {
+      LinearSet set;
+      for (int64_t i = 0; i < parts_per_linear[lin]; ++i) {
+        const at::Tensor& w = next();
+        const at::Tensor& sc = next();
+        const at::Tensor& b = next();
+        set.parts.push_back(linear_of(w, sc, b));
+        set.N += set.parts.back().N;
+        TORCH_CHECK(K_expected < 0 || set.parts.back().K == K_expected, "a linear part has ", set.parts.back().K,
+                    " input features, expected ", K_expected);
+        set.K = set.parts.back().K;
+      }
+      ++lin;
+      return set;
+    };
+    embed_ = next();
     TORCH_CHECK(embed_.scalar_type() == at::kBFloat16 && embed_.is_contiguous() && embed_.size(1) == d_);
-    final_norm_ = keep_[1].to(at::kFloat).contiguous();
-    inv_freq_ = keep_[2].to(at::kFloat).contiguous();
+    final_norm_ = next().to(at::kFloat).contiguous();
+    inv_freq_ = next().to(at::kFloat).contiguous();
     TORCH_CHECK(inv_freq_.numel() == D_ / 2, "inv_freq must have head_dim / 2 entries");
-    head_ = linear_of(keep_[3], keep_[4], keep_[5]);
+    head_ = linear_set(d_);
     for (int64_t l = 0; l < L_; ++l) {
-      const at::Tensor* t = keep_.data() + 6 + 14 * l;
-      layers_.push_back(Layer{t[0].to(at::kFloat).contiguous(), t[7].to(at::kFloat).contiguous(),
-                              linear_of(t[1], t[2], t[3]), linear_of(t[4], t[5], t[6]),
-                              linear_of(t[8], t[9], t[10]), linear_of(t[11], t[12], t[13])});
+      Layer layer;
+      layer.attn_norm = next().to(at::kFloat).contiguous();
+      layer.mlp_norm = next().to(at::kFloat).contiguous();
+      layer.qkv = linear_set(d_);
+      TORCH_CHECK(layer.qkv.N == (H_ + 2 * Hkv_) * D_, "qkv has ", layer.qkv.N, " outputs");
+      layer.o = linear_set(H_ * D_);
+      layer.gate_up = linear_set(d_);
+      F_ = layer.gate_up.N / 2;
+      layer.down = linear_set(F_);
+      TORCH_CHECK(layer.o.N == d_ && layer.down.N == d_, "o and down must map back to the hidden size");
+      layers_.push_back(std::move(layer));
     }
+    TORCH_CHECK(at == keep_.size(), "more tensors than the layout describes");
   }
 
   // ids [B, T] int64; starts [B] int64 (first position of each row); table [B, W] int64 (each row's
@@ -185,16 +230,16 @@ class FusedDecoder : public torch::CustomClassHolder {
     for (int64_t l = 0; l < L_; ++l) {
       const Layer& ly = layers_[l];
       rms_norm(x.data(), ly.attn_norm.data_ptr<float>(), h.data(), R);
-      specd::linear_any(ly.qkv, h.data(), R, qkv.data(), QKV);
+      ly.qkv.apply(h.data(), R, qkv.data(), QKV);
       rope_and_store(qkv.data(), cs.data(), sn.data(), crow.data(), R, kc + l * layer_stride, vc + l * layer_stride);
       attention(qkv.data(), pos.data(), tp, W, block_size, T, R, kc + l * layer_stride, vc + l * layer_stride,
                 attn.data());
-      specd::linear_any(ly.o, attn.data(), R, tmp.data(), d_);
+      ly.o.apply(attn.data(), R, tmp.data(), d_);
       add_into(x.data(), tmp.data(), R * d_);
       rms_norm(x.data(), ly.mlp_norm.data_ptr<float>(), h.data(), R);
-      specd::linear_any(ly.gate_up, h.data(), R, tmp.data(), 2 * F_);
+      ly.gate_up.apply(h.data(), R, tmp.data(), 2 * F_);
       silu_mul(tmp.data(), act.data(), R);
-      specd::linear_any(ly.down, act.data(), R, tmp.data(), d_);
+      ly.down.apply(act.data(), R, tmp.data(), d_);
       add_into(x.data(), tmp.data(), R * d_);
     }
     if (logits == 0) return c10::nullopt;
@@ -207,7 +252,7 @@ class FusedDecoder : public torch::CustomClassHolder {
       }
     rms_norm(rows.data(), final_norm_.data_ptr<float>(), h.data(), B * Tout);
     at::Tensor out = at::empty({B, Tout, head_.N}, at::kFloat);
-    specd::linear_any(head_, h.data(), B * Tout, out.data_ptr<float>(), head_.N);
+    head_.apply(h.data(), B * Tout, out.data_ptr<float>(), head_.N);
     return out;
   }
 
@@ -346,9 +391,9 @@ class FusedDecoder : public torch::CustomClassHolder {
 
   std::vector<at::Tensor> keep_;
   at::Tensor embed_, final_norm_, inv_freq_;
-  LinearWeights head_;
+  LinearSet head_;
   std::vector<Layer> layers_;
-  int64_t d_, L_, H_, Hkv_, D_, F_;
+  int64_t d_, L_, H_, Hkv_, D_, F_ = 0;
   float eps_, rope_scaling_;
 };
 
@@ -356,6 +401,6 @@ class FusedDecoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(specd_kernels, m) {
   m.class_<FusedDecoder>("FusedDecoder")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, double>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double, double>())
       .def("forward", &FusedDecoder::forward);
 }
