@@ -147,9 +147,9 @@ def quantize_int4_reference(weight: torch.Tensor) -> tuple[torch.Tensor]:
         neg_min = 0.0 - lo  # +0.0 where lo is 0 (a -0.0 would reach the fp16 dmin)
 
         def super_max(v: torch.Tensor) -> torch.Tensor:  # [rows, G] -> [rows, S]
-            padded = torch.zeros(rows, s * per)
+            padded = torch.zeros(v.shape[0], s * per)
             padded[:, :g] = v
-            return padded.view(rows, s, per).amax(dim=2)
+            return padded.view(v.shape[0], s, per).amax(dim=2)
 
         d = (super_max(scale) / 255).half()
         dmin = (super_max(neg_min) / 255).half()

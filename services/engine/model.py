@@ -15,7 +15,6 @@ builds the :class:`BatchLayout` its forward needs. Two implementations:
 from __future__ import annotations
 
 import functools
-
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -71,7 +71,7 @@ def q4k_to_int4_records(blocks: np.ndarray, n: int, k: int) -> torch.Tensor:
 def read_q4k_linears(path: str | Path) -> dict[str, torch.Tensor]:
     """Every Q4_K linear weight of a GGUF file as int4 records, by Hugging Face name; empty for a file
     whose architecture is not mapped one to one (see the module docstring)."""
-    from gguf import GGUFReader, GGMLQuantizationType
+    from gguf import GGMLQuantizationType, GGUFReader
 
     reader = GGUFReader(str(path))
     arch_field = reader.fields.get("general.architecture")
