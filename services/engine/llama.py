@@ -141,7 +141,6 @@ def quantize_int4_reference(weight: torch.Tensor) -> tuple[torch.Tensor]:
     parts = []
     for r0 in range(0, n, 2048):
         w = weight[r0 : r0 + 2048].float().view(-1, g, INT4_GROUP)
-        rows = w.shape[0]
         lo = w.amin(dim=2).clamp_max(0.0)
         scale = (w.amax(dim=2) - lo) / 15
         neg_min = 0.0 - lo  # +0.0 where lo is 0 (a -0.0 would reach the fp16 dmin)
