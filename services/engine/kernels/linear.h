@@ -201,25 +201,43 @@ struct Q8Rows {  // activations [M, K] -> int8 [M, K], a scale per super-block [
   std::vector<int16_t> sums;
 };
 
+// 32 floats times inv, rounded to the nearest integer (ties to even, as nearbyint in the default mode),
+// clamped to +-127, stored as int8; returns their sum.
+inline int32_t quantize32(const float* x, __m256 inv, int8_t* q) {
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j)
+    i[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv)), lo), hi);
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
+  return hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+}
+
 inline Q8Rows quantize_rows_q8(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / 32, S = (K + kQ4Super - 1) / kQ4Super;
   Q8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * S), std::vector<int16_t>(M * G)};
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    int8_t* q = out.q.data() + m * K;
     for (int64_t s = 0; s < S; ++s) {
-      const int64_t k0 = s * kQ4Super, k1 = std::min(K, k0 + kQ4Super);
-      const float* xr = x + m * K;
+      const int64_t k0 = s * kQ4Super, k1 = std::min(K, k0 + kQ4Super), k8 = k0 + (k1 - k0) / 8 * 8;
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
       float amax = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      for (float v : lanes) amax = std::max(amax, v);
+      for (int64_t k = k8; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       out.scale[m * S + s] = amax / 127.0f;
-      int8_t* q = out.q.data() + m * K;
-      for (int64_t k = k0; k < k1; ++k)
+      const __m256 vinv = _mm256_set1_ps(inv);
+      int64_t k = k0;
+      for (; k + 32 <= k1; k += 32) out.sums[m * G + k / 32] = static_cast<int16_t>(quantize32(xr + k, vinv, q + k));
+      for (; k < k1; ++k)  // a K that is not a multiple of 32 (int8 only): no group sum needed
         q[k] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(std::nearbyint(xr[k] * inv)), -127, 127));
-      for (int64_t g = k0 / 32; g < std::min(k1 / 32, G); ++g) {  // whole groups only (int4 has no others)
-        int32_t sum = 0;
-        for (int i = 0; i < 32; ++i) sum += q[g * 32 + i];
-        out.sums[m * G + g] = static_cast<int16_t>(sum);
-      }
     }
   }
   return out;
