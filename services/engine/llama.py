@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -630,27 +633,66 @@ def _rotary_embedding(cfg) -> torch.nn.Module:
 def open_llama_checkpoint(name_or_path: str) -> LlamaCheckpoint | None:
     """A lazy checkpoint over the model's safetensors files (local dir or hub id), without loading
     any weight yet; None when there are no safetensors files to read (load through transformers)."""
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, GenerationConfig
-
     from services.engine.checkpoint import SafetensorsState, local_checkpoint_dir, safetensors_files
 
     directory = local_checkpoint_dir(name_or_path)
     files = safetensors_files(directory) if directory is not None else None
     if files is None:
         return None
-    cfg = AutoConfig.from_pretrained(directory)
+    cfg, generation = plain_config(directory), None
+    if cfg is not None and _default_rope(cfg) is not None:
+        generation = _json_or_none(directory / "generation_config.json")
+        generation = SimpleNamespace(**generation) if generation is not None else None
+    else:
+        from transformers import AutoConfig, GenerationConfig
+
+        cfg = AutoConfig.from_pretrained(directory)
+        try:
+            generation = GenerationConfig.from_pretrained(directory)
+        except OSError:  # no generation_config.json
+            generation = None
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"no own forward for model_type {cfg.model_type!r}")
-    try:
-        generation = GenerationConfig.from_pretrained(directory)
-    except OSError:  # no generation_config.json
-        generation = None
     shape, info = _shape_and_info(cfg, eos_ids_of(SimpleNamespace(config=cfg, generation_config=generation)))
     info = dataclasses.replace(info, name=name_or_path)
     inv_freq, attention_scaling = _rope(cfg)
     return LlamaCheckpoint(shape, SafetensorsState(files), inv_freq, attention_scaling, info)
+
+
+# What the own forward reads from config.json; a file that names all of them (and plain RoPE) is read
+# without transformers, whose config classes cost a second of a cold start to import.
+_PLAIN_CONFIG_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def plain_config(directory: str | Path) -> SimpleNamespace | None:
+    """A Llama-family folder's config.json as attributes, when it holds every field the own forward
+    reads (``num_key_value_heads`` and ``head_dim`` default as in transformers); else None, and the
+    caller uses transformers' ``AutoConfig``."""
+    raw = _json_or_none(Path(directory) / "config.json")
+    if raw is None or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return None
+    if any(k not in raw for k in _PLAIN_CONFIG_KEYS):
+        return None
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        return None
+    raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+    raw["_name_or_path"] = str(directory)
+    return SimpleNamespace(**raw)
 
 
 def load_llama(

@@ -322,9 +322,15 @@ def load_model(
     auto = quantize == "auto"
     quantize = default_draft_quantize(device) if auto else quantize
     if backend != "transformers":
-        from transformers import AutoConfig
+        from services.engine.llama import plain_config
 
-        model_type = AutoConfig.from_pretrained(name_or_path).model_type
+        plain = plain_config(name_or_path)
+        if plain is not None:
+            model_type = plain.model_type
+        else:
+            from transformers import AutoConfig
+
+            model_type = AutoConfig.from_pretrained(name_or_path).model_type
         builder = BACKENDS.get(model_type)
         if builder is not None:
             return builder(name_or_path, dtype, device, quantize) if quantize else builder(name_or_path, dtype, device)
