@@ -119,7 +119,8 @@ def test_plain_config_reads_what_autoconfig_reads(tmp_path, monkeypatch, model_t
     from services.engine import llama
     from tests.tiny_models import random_hf_model
 
-    hf = random_hf_model(model_type, num_key_value_heads=2, **({"sliding_window": 64} if model_type == "mistral" else {}))
+    extra = {"sliding_window": 64} if model_type == "mistral" else {}
+    hf = random_hf_model(model_type, num_key_value_heads=2, **extra)
     hf.generation_config.eos_token_id = [5, 7]
     hf.save_pretrained(tmp_path)
     assert llama.plain_config(tmp_path) is not None
