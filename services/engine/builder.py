@@ -36,11 +36,11 @@ class ModelSpec:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
+    """The model's tokenizer (:mod:`services.engine.tokenizer`: without importing transformers where it can)."""
+    from services.engine.tokenizer import load_tokenizer as load
     from services.model_store.gguf_import import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+    return load(resolve_model_path(path))
 
 
 def _same_tokenizer_file(target: str, draft: str) -> bool:
