@@ -123,3 +123,21 @@ def test_bf16_greedy_speculation_is_token_identical_to_the_target_alone(tiny_pai
         for i in range(len(prompts)):
             assert got[f"{method}{i}"].token_ids == alone[f"n{i}"].token_ids, (method, k, i)
     assert engine.active_slots == 0
+
+
+def test_prefill_in_one_pass_or_token_by_token_is_the_same() -> None:
+    """Chunked prefill sizes its passes by load, so a prompt's cache must not depend on them: 70
+    tokens in one pass (three 32-row attention chunks), in pieces, or one at a time give bit for bit
+    the same logits at every position."""
+    model = _model("qwen2", {"num_key_value_heads": 2}, torch.bfloat16, quantize="int4")
+    ids = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for pieces in ((70,), (7, 33, 30), (1,) * 70):
+        cache = model.new_paged_cache(2, 16, 8, 128)
+        cache.reserve(0, 72)
+        start, logits = 0, []
+        for n in pieces:
+            logits.append(model.forward(ids[:, start : start + n], cache, cache.layout([0], [start], n), "all"))
+            start += n
+        outs.append(torch.cat(logits, dim=1))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

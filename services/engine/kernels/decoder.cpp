@@ -299,71 +299,112 @@ class FusedDecoder : public torch::CustomClassHolder {
     }
   }
 
-  // out[r, h * D:(h + 1) * D] = softmax(q_h . K[0..p] / sqrt(D)) V[0..p], for every row r at position p,
-  // one work item per (row, KV head) with its G query heads.
+  // out[r, h * D:(h + 1) * D] = softmax(q_h . K[0..p] / sqrt(D)) V[0..p], for every row r at position p.
+  // Work items are (sequence, KV head, up to 32 consecutive rows), each with its G query heads. One
+  // row reads K and V straight from the bf16 cache; several rows (verification, prefill) first widen
+  // the positions they share to fp32 once. Widening is exact, and each row's dot products, softmax and
+  // weighted sum run in the same order either way, so the result is the same bit for bit.
   void attention(const float* qkv, const int64_t* pos, const int64_t* table, int64_t W, int64_t bs, int64_t T,
                  int64_t R, const uint16_t* kc, const uint16_t* vc, float* out) const {
-    const int64_t QKV = (H_ + 2 * Hkv_) * D_, G = H_ / Hkv_, D = D_;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    at::parallel_for(0, R * Hkv_, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores, acc(G * D);
+    const int64_t G = H_ / Hkv_, chunks = (T + 31) / 32;
+    const int64_t B = R / T;
+    at::parallel_for(0, B * Hkv_ * chunks, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores, acc(G * D_), kbuf, vbuf;
       std::vector<int64_t> rows;
       for (int64_t item = i0; item < i1; ++item) {
-        const int64_t r = item / Hkv_, g = item % Hkv_, b = r / T, n = pos[r] + 1;
-        rows.resize(n);
-        for (int64_t j = 0; j < n; ++j) rows[j] = cache_row(table + b * W, W, bs, j);
-        scores.resize(G * n);
-        const float* q = qkv + r * QKV + g * G * D;
-        for (int64_t j = 0; j < n; ++j) {
-          const uint16_t* kp = kc + (rows[j] * Hkv_ + g) * D;
-          for (int64_t hq = 0; hq < G; ++hq) {
-            const float* qh = q + hq * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 16) {
-              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), load_bf16x8(kp + i), a0);
-              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), load_bf16x8(kp + i + 8), a1);
-            }
-            scores[hq * n + j] = specd::hsum(_mm256_add_ps(a0, a1)) * scale;
+        const int64_t b = item / (Hkv_ * chunks), g = item / chunks % Hkv_, c = item % chunks;
+        const int64_t r0 = b * T + 32 * c, r1 = std::min(b * T + T, r0 + 32);
+        const int64_t n_max = pos[r1 - 1] + 1;
+        rows.resize(n_max);
+        for (int64_t j = 0; j < n_max; ++j) rows[j] = cache_row(table + b * W, W, bs, j);
+        if (r1 - r0 == 1) {
+          auto k_at = [&](int64_t j) { return KeyBf16{kc + (rows[j] * Hkv_ + g) * D_}; };
+          auto v_at = [&](int64_t j) { return KeyBf16{vc + (rows[j] * Hkv_ + g) * D_}; };
+          attend(qkv, r0, g, pos[r0] + 1, k_at, v_at, scores, acc, out);
+          continue;
+        }
+        kbuf.resize(n_max * D_), vbuf.resize(n_max * D_);
+        for (int64_t j = 0; j < n_max; ++j) {
+          const uint16_t* kp = kc + (rows[j] * Hkv_ + g) * D_;
+          const uint16_t* vp = vc + (rows[j] * Hkv_ + g) * D_;
+          for (int64_t i = 0; i < D_; i += 8) {
+            _mm256_storeu_ps(kbuf.data() + j * D_ + i, load_bf16x8(kp + i));
+            _mm256_storeu_ps(vbuf.data() + j * D_ + i, load_bf16x8(vp + i));
           }
         }
-        std::vector<float> total(G);
-        for (int64_t hq = 0; hq < G; ++hq) {
-          float* s = scores.data() + hq * n;
-          float m = s[0];
-          for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-          const __m256 mv = _mm256_set1_ps(m);
-          __m256 sum8 = _mm256_setzero_ps();
-          int64_t j = 0;
-          for (; j + 8 <= n; j += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-            _mm256_storeu_ps(s + j, e);
-            sum8 = _mm256_add_ps(sum8, e);
-          }
-          float sum = specd::hsum(sum8);
-          for (; j < n; ++j) {
-            s[j] = exp1(s[j] - m);
-            sum += s[j];
-          }
-          total[hq] = sum;
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          const uint16_t* vp = vc + (rows[j] * Hkv_ + g) * D;
-          for (int64_t i = 0; i < D; i += 8) {
-            const __m256 v = load_bf16x8(vp + i);
-            for (int64_t hq = 0; hq < G; ++hq) {
-              float* a = acc.data() + hq * D + i;
-              _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[hq * n + j]), v, _mm256_loadu_ps(a)));
-            }
-          }
-        }
-        for (int64_t hq = 0; hq < G; ++hq) {
-          float* o = out + r * H_ * D + (g * G + hq) * D;
-          const float inv = 1.0f / total[hq];
-          for (int64_t i = 0; i < D; ++i) o[i] = acc[hq * D + i] * inv;
-        }
+        auto k_at = [&](int64_t j) { return KeyF32{kbuf.data() + j * D_}; };
+        auto v_at = [&](int64_t j) { return KeyF32{vbuf.data() + j * D_}; };
+        for (int64_t r = r0; r < r1; ++r) attend(qkv, r, g, pos[r] + 1, k_at, v_at, scores, acc, out);
       }
     });
+  }
+
+  struct KeyBf16 {  // 8 lanes of a bf16 cache row, widened
+    const uint16_t* p;
+    __m256 at(int64_t i) const { return load_bf16x8(p + i); }
+  };
+  struct KeyF32 {  // 8 lanes of a row already widened
+    const float* p;
+    __m256 at(int64_t i) const { return _mm256_loadu_ps(p + i); }
+  };
+
+  // Row r's G query heads of KV head g against positions [0, n).
+  template <typename KAt, typename VAt>
+  void attend(const float* qkv, int64_t r, int64_t g, int64_t n, const KAt& k_at, const VAt& v_at,
+              std::vector<float>& scores, std::vector<float>& acc, float* out) const {
+    const int64_t QKV = (H_ + 2 * Hkv_) * D_, G = H_ / Hkv_, D = D_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    scores.resize(G * n);
+    const float* q = qkv + r * QKV + g * G * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const auto k = k_at(j);
+      for (int64_t hq = 0; hq < G; ++hq) {
+        const float* qh = q + hq * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) {
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), k.at(i), a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), k.at(i + 8), a1);
+        }
+        scores[hq * n + j] = specd::hsum(_mm256_add_ps(a0, a1)) * scale;
+      }
+    }
+    float total[64];
+    TORCH_CHECK(G <= 64, "more than 64 query heads per KV head");
+    for (int64_t hq = 0; hq < G; ++hq) {
+      float* s = scores.data() + hq * n;
+      float m = s[0];
+      for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 sum8 = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+      }
+      float sum = specd::hsum(sum8);
+      for (; j < n; ++j) {
+        s[j] = exp1(s[j] - m);
+        sum += s[j];
+      }
+      total[hq] = sum;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const auto v = v_at(j);
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 vv = v.at(i);
+        for (int64_t hq = 0; hq < G; ++hq) {
+          float* a = acc.data() + hq * D + i;
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[hq * n + j]), vv, _mm256_loadu_ps(a)));
+        }
+      }
+    }
+    for (int64_t hq = 0; hq < G; ++hq) {
+      float* o = out + r * H_ * D + (g * G + hq) * D;
+      const float inv = 1.0f / total[hq];
+      for (int64_t i = 0; i < D; ++i) o[i] = acc[hq * D + i] * inv;
+    }
   }
 
   static void add_into(float* x, const float* y, int64_t n) {
