@@ -122,7 +122,7 @@ template <typename C>
 using BlockFn = void (*)(const float*, const C&, const float*, float*, int64_t, int64_t, int64_t);
 
 template <typename C>
-constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 2>, block<C, 2, 2>, block<C, 3, 2>,
+constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 1>, block<C, 2, 2>, block<C, 3, 2>,
                                               block<C, 4, 1>, block<C, 5, 1>, block<C, 6, 1>, block<C, 7, 1>};
 
 // x [M, K] fp32 -> each 16-wide chunk reordered to [0-3, 8-11, 4-7, 12-15], as Bf16Rows::widen reads bf16.
