@@ -33,8 +33,9 @@ def _add_target_quantize_arg(p: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["none", "int8", "int4"],
         default="none",
-        help="serve the target quantized at load (weight-only; int4: groups of 32 with scale and min, "
-        "int8 head): a different, smaller model, whose output speculation keeps exactly",
+        help="serve the target quantized (weight-only; int4: Q4_K-style super-blocks, the GGUF file's own Q4_K "
+        "blocks for a model fetched or imported from one, int8 where it keeps more bits, int8 head): a "
+        "different, smaller model, whose output speculation keeps exactly",
     )
 
 
