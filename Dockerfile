@@ -20,25 +20,14 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-# The gRPC stubs are generated (into /app/specd), never copied from the host.
-COPY proto/ proto/
-COPY scripts/gen_proto.py scripts/gen_proto.py
-RUN pip install "grpcio-tools>=1.60" && python scripts/gen_proto.py
+# specd installed like any package: `pip install .` builds the wheel (its build generates the gRPC
+# stubs from proto/; the demo pair is package data) straight from the build context, bind-mounted
+# read-write for the build and discarded after it, so no source copy stays in the image and nothing
+# needs PYTHONPATH.
+RUN --mount=type=bind,target=/src,rw pip install /src
 
-COPY pyproject.toml README.md ./
-COPY services/ services/
-COPY gateway/ gateway/
-COPY benchmarks/ benchmarks/
-RUN pip install . && rm -rf build *.egg-info
-
-# The committed demo pair, and the probe used by compose healthchecks and Kubernetes exec probes.
-COPY models/demo-target/ models/demo-target/
-COPY models/demo-draft/ models/demo-draft/
+# The probe used by compose healthchecks and Kubernetes exec probes.
 COPY deploy/healthcheck.py deploy/healthcheck.py
-
-# Import specd from /app (the installed copy is the same code): its defaults then find the demo
-# models at /app/models, as in a checkout, so `specd serve` / `specd generate` work without --target.
-ENV PYTHONPATH=/app
 
 RUN useradd --create-home --uid 10001 specd && mkdir -p benchmarks/results && chown specd benchmarks/results
 USER specd

@@ -44,7 +44,7 @@ def measure_read_bandwidth(buffer_gb: float = 2.0, reps: int = 12) -> Bandwidth:
 def safetensors_bytes_per_token(folder: str | Path, bytes_per_param: int = 2) -> int:
     """Weight bytes one decode step reads from a Hugging Face folder served at ``bytes_per_param``
     (2 for bf16): every tensor, except the embedding, of which one row."""
-    from services.engine.checkpoint import SafetensorsState, safetensors_files
+    from specd.services.engine.checkpoint import SafetensorsState, safetensors_files
 
     files = safetensors_files(Path(folder))
     if files is None:
@@ -61,7 +61,7 @@ def safetensors_bytes_per_token(folder: str | Path, bytes_per_param: int = 2) ->
 
 
 def model_bytes_per_token(model) -> int:
-    """Weight bytes one decode step of a loaded :class:`~services.engine.llama.LlamaLM` reads, in the
+    """Weight bytes one decode step of a loaded :class:`~specd.services.engine.llama.LlamaLM` reads, in the
     layouts it runs (quantized weights with their scales): every linear layer and the output head,
     and one embedding row."""
 

@@ -48,12 +48,12 @@ from pathlib import Path
 
 import torch
 
-from services.engine.builder import DTYPES, ModelSpec, build_engine
-from services.engine.chat import encode_chat, encode_text
-from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
-from services.engine.model import BatchLayout
-from services.engine.sampling import SamplingParams
-from services.engine.stats import SpecStats
+from specd.services.engine.builder import DTYPES, ModelSpec, build_engine
+from specd.services.engine.chat import encode_chat, encode_text
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.model import BatchLayout
+from specd.services.engine.sampling import SamplingParams
+from specd.services.engine.stats import SpecStats
 
 CODE_PROMPTS = [
     'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n',

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from services.common.process import die_with_parent
+from specd.services.common.process import die_with_parent
 
 
 def cache_root() -> Path:

@@ -1,6 +1,6 @@
 """Serving at real lengths: benchmarks (not tests) for chunked prefill, long prompts and the KV pool.
 
-``python -m benchmarks.long_context_bench MODE [options]``; every mode prints one JSON object.
+``python -m specd.benchmarks.long_context_bench MODE [options]``; every mode prints one JSON object.
 
 - ``gap``: a stream decodes while a ~900-token prompt arrives; reports the prompt's time to first
   token and the running stream's longest gap between outputs during that time, and their ratio
@@ -33,10 +33,11 @@ import time
 
 import torch
 
-from services.engine.builder import ModelSpec, build_engine
-from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
-from services.engine.sampling import SamplingParams
-from services.paths import DEMO_DRAFT, DEMO_TARGET
+from specd.services.common.process import specd_command
+from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.sampling import SamplingParams
+from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
 
 FILLER = (
     "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
@@ -69,7 +70,7 @@ def _greedy(n: int) -> SamplingParams:
 
 def _spec_of(args) -> ModelSpec:
     if args.pair:
-        from services.model_store.fetch import resolve_pair
+        from specd.services.model_store.fetch import resolve_pair
 
         paths = resolve_pair(args.pair)
         return ModelSpec(
@@ -234,13 +235,12 @@ class _Serve:
 
     def __init__(self, pair: str | None) -> None:
         import subprocess
-        import sys
 
-        from services.common.ports import free_ports
-        from services.common.process import die_with_parent
+        from specd.services.common.ports import free_ports
+        from specd.services.common.process import die_with_parent
 
         port, dport, tport, dm, tm = free_ports(5)
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port)]
+        cmd = specd_command("serve", "--port", str(port))
         for flag, value in (("--draft-port", dport), ("--target-port", tport), ("--draft-metrics-port", dm)):
             cmd += [flag, str(value)]
         cmd += ["--target-metrics-port", str(tm)]
@@ -360,7 +360,7 @@ def bench_serve_memory(args) -> dict:
 
         tok_dir = DEMO_TARGET
         if args.pair:
-            from services.model_store.fetch import resolve_pair
+            from specd.services.model_store.fetch import resolve_pair
 
             tok_dir = resolve_pair(args.pair).target
         tok = AutoTokenizer.from_pretrained(tok_dir)

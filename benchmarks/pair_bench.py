@@ -35,14 +35,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import engine_bench
-from benchmarks.bandwidth import gguf_bytes_per_token, measure_read_bandwidth, safetensors_bytes_per_token
-from benchmarks.engine_bench import CODE_PROMPTS, alpha_hat
-from services.engine.builder import DTYPES, ModelSpec, build_engine
-from services.engine.chat import encode_chat, encode_text
-from services.engine.engine import AUTO_NUM_TOKENS, Engine, EngineConfig, Request, SpecConfig
-from services.engine.sampling import SamplingParams
-from services.engine.stats import SpecStats
+from specd.benchmarks import engine_bench
+from specd.benchmarks.bandwidth import gguf_bytes_per_token, measure_read_bandwidth, safetensors_bytes_per_token
+from specd.benchmarks.engine_bench import CODE_PROMPTS, alpha_hat
+from specd.services.engine.builder import DTYPES, ModelSpec, build_engine
+from specd.services.engine.chat import encode_chat, encode_text
+from specd.services.engine.engine import AUTO_NUM_TOKENS, Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.sampling import SamplingParams
+from specd.services.engine.stats import SpecStats
 
 PROSE_QUESTIONS = [
     "Explain in plain English how a hash table works.",
@@ -162,7 +162,7 @@ def run_hf(hf_target, hf_draft, prompts, cfg: PairBenchConfig, run: Run) -> None
 
 def run_llama(server, prompts, cfg: PairBenchConfig, run: Run) -> None:
     """llama-server's native /completion on the same token ids; wall time, and its own timings."""
-    from benchmarks.llama_cpp import complete
+    from specd.benchmarks.llama_cpp import complete
 
     for i, ids in enumerate(prompts):
         r = complete(server, list(ids), cfg.max_tokens, run.temperature, cfg.seed + i)
@@ -190,12 +190,12 @@ class LlamaSetup:
 def _llama_setup(cfg: PairBenchConfig) -> LlamaSetup:
     if not cfg.include_llama_cpp:
         return LlamaSetup(None, "llama.cpp skipped (--no-llama-cpp)")
-    from benchmarks.llama_cpp import convert_to_f16_gguf, find_llama_server
+    from specd.benchmarks.llama_cpp import convert_to_f16_gguf, find_llama_server
 
     binary = find_llama_server()
     if binary is None:
         return LlamaSetup(None, "llama.cpp skipped: llama-server is not built (run scripts/build_llama_cpp.sh)")
-    from services.model_store.fetch import cache_root
+    from specd.services.model_store.fetch import cache_root
 
     gguf_dir = cache_root() / "gguf"
     t16 = convert_to_f16_gguf(Path(cfg.target), gguf_dir / f"{Path(cfg.target).name}-f16.gguf")
@@ -225,8 +225,8 @@ class QuantizedMode:
 def _quantized_modes(cfg: PairBenchConfig, main: Engine) -> tuple[list[QuantizedMode], dict[str, int]]:
     """The quantized modes, sharing loaded models between engines (each engine has its own KV cache),
     and the weight bytes per decoded token of each quantized target."""
-    from benchmarks.bandwidth import model_bytes_per_token
-    from services.engine.model import load_model
+    from specd.benchmarks.bandwidth import model_bytes_per_token
+    from specd.services.engine.model import load_model
 
     if not cfg.quantized_targets:
         return [], {}
@@ -344,7 +344,7 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
                 del t32, d32
                 gc.collect()
             if llama.binary is not None:
-                from benchmarks.llama_cpp import LlamaServer, ServerConfig
+                from specd.benchmarks.llama_cpp import LlamaServer, ServerConfig
 
                 for name, (model_file, draft_file, n_max) in llama.configs.items():
                     sc = ServerConfig(model_file, draft_file, threads=cfg.llama_threads, draft_max=max(n_max, 1))
@@ -414,7 +414,7 @@ def _line(r: Run, runs: dict) -> str:
 def _draft_weights(quantize: str | None) -> str:
     """What the main engine's draft runs in: ``--draft-quantize`` with "auto" resolved."""
     if quantize == "auto":
-        from services.engine.model import default_draft_quantize
+        from specd.services.engine.model import default_draft_quantize
 
         quantize = default_draft_quantize("cpu")
     return quantize or "bf16"
@@ -595,7 +595,7 @@ def _plot(doc: dict, path: Path) -> None:
 
 
 def markdown(doc: dict) -> str:
-    """The README tables: every row of every group, then the goals (``python -m benchmarks.pair_bench FILE``)."""
+    """The README tables: every row of every group, then the goals (``python -m specd.benchmarks.pair_bench FILE``)."""
     lines = []
     groups = sorted({(r["category"], r["temperature"]) for r in doc["rows"]}, key=lambda g: (g != ("code", 0.0), g))
     for category, t in groups:

@@ -1,6 +1,6 @@
 """Render ``engine_bench.json`` as Markdown tables (for the README).
 
-python -m benchmarks.report benchmarks/results/engine_bench.json
+python -m specd.benchmarks.report benchmarks/results/engine_bench.json
 """
 
 from __future__ import annotations

@@ -39,11 +39,11 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.engine_bench import CODE_PROMPTS, PROSE_QUESTIONS
-from services.common.ports import free_ports
-from services.common.process import die_with_parent, stop_process_group
-from services.engine.engine import EngineConfig, Request, SpecConfig
-from services.engine.sampling import SamplingParams
+from specd.benchmarks.engine_bench import CODE_PROMPTS, PROSE_QUESTIONS
+from specd.services.common.ports import free_ports
+from specd.services.common.process import die_with_parent, stop_process_group
+from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+from specd.services.engine.sampling import SamplingParams
 
 WORKLOADS = ("code", "prose")
 Mode = tuple[str, int]  # (method, k): ("none", 0), ("draft", k), ("auto", largest k)
@@ -114,7 +114,7 @@ class _Stack:
     """Draft, target and gateway (``specd serve``'s commands), each in its own process group."""
 
     def __init__(self, cfg: ServeBenchConfig) -> None:
-        from services.serve import ServeConfig, _commands
+        from specd.services.serve import ServeConfig, _commands
 
         self.port, draft_port, target_port, draft_metrics, target_metrics = free_ports(5)
         serve_cfg = ServeConfig(
@@ -247,8 +247,8 @@ class _InProcess:
     """The engine in this process at batch 1, every mode, greedy code; passes add into the totals."""
 
     def __init__(self, cfg: ServeBenchConfig, prompts: list[str]) -> None:
-        from services.engine.builder import ModelSpec, build_engine
-        from services.engine.chat import encode_text
+        from specd.services.engine.builder import ModelSpec, build_engine
+        from specd.services.engine.chat import encode_text
 
         self.cfg = cfg
         self.engine = build_engine(

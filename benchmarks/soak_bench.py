@@ -26,7 +26,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -34,9 +33,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.engine_bench import CODE_PROMPTS
-from services.common.ports import free_ports
-from services.common.process import die_with_parent
+from specd.benchmarks.engine_bench import CODE_PROMPTS
+from specd.services.common.ports import free_ports
+from specd.services.common.process import die_with_parent, specd_command
 
 CHAT_QUESTIONS = [
     "Explain what a Python generator is.",
@@ -138,11 +137,11 @@ def _get(url: str) -> str:
 class _Serve:
     def __init__(self, cfg: SoakConfig, log: Path) -> None:
         self.port, draft_port, target_port, self.draft_metrics, self.target_metrics = free_ports(5)
-        args = [sys.executable, "-m", "services.cli", "serve", "--target", cfg.target, "--draft", cfg.draft,
+        args = specd_command("serve", "--target", cfg.target, "--draft", cfg.draft,
                 "--dtype", cfg.dtype, "--host", "127.0.0.1", "--port", str(self.port),
                 "--draft-port", str(draft_port), "--target-port", str(target_port),
                 "--draft-metrics-port", str(self.draft_metrics),
-                "--target-metrics-port", str(self.target_metrics)]  # fmt: skip
+                "--target-metrics-port", str(self.target_metrics))  # fmt: skip
         self.log = open(log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             args, stdout=self.log, stderr=subprocess.STDOUT, process_group=0, preexec_fn=die_with_parent

@@ -15,12 +15,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway.errors import install_error_handlers
-from gateway.guard import RequestGuard
-from gateway.routes import build_router
-from gateway.settings import GatewaySettings
-from gateway.target_pool import TargetPool
-from services.common.drain import Drain
+from specd.gateway.errors import install_error_handlers
+from specd.gateway.guard import RequestGuard
+from specd.gateway.routes import build_router
+from specd.gateway.settings import GatewaySettings
+from specd.gateway.target_pool import TargetPool
+from specd.services.common.drain import Drain
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.errors import APIError
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.target_pool import TargetClient, TargetPool
+from specd.gateway.errors import APIError
+from specd.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from specd.gateway.target_pool import TargetClient, TargetPool
 from specd.v1 import common_pb2, target_pb2
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)

@@ -10,8 +10,8 @@ import json
 
 from starlette.exceptions import HTTPException
 
-from gateway.errors import error_body
-from services.common.drain import Drain
+from specd.gateway.errors import error_body
+from specd.services.common.drain import Drain
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a full 32k-token prompt as token ids is ~200 KB of JSON
 

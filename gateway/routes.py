@@ -12,12 +12,12 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import APIError, error_body
-from gateway.generation import RETRYABLE, Generation, open_generation
-from gateway.metrics import TokenTimer
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.settings import GatewaySettings
-from gateway.target_pool import TargetPool
+from specd.gateway.errors import APIError, error_body
+from specd.gateway.generation import RETRYABLE, Generation, open_generation
+from specd.gateway.metrics import TokenTimer
+from specd.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from specd.gateway.settings import GatewaySettings
+from specd.gateway.target_pool import TargetPool
 
 log = logging.getLogger(__name__)
 

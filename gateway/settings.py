@@ -1,12 +1,12 @@
-"""Gateway configuration: parsed once by the CLI, passed to :func:`gateway.app.create_app`."""
+"""Gateway configuration: parsed once by the CLI, passed to :func:`specd.gateway.app.create_app`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.guard import DEFAULT_MAX_BODY_BYTES
-from services.common.drain import DEFAULT_DRAIN_TIMEOUT
-from services.common.tls import TLSConfig
+from specd.gateway.guard import DEFAULT_MAX_BODY_BYTES
+from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT
+from specd.services.common.tls import TLSConfig
 
 
 @dataclass(frozen=True)

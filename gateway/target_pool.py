@@ -13,9 +13,9 @@ import logging
 
 import grpc
 
-from services.common.discovery import AddressWatcher
-from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.tls import TLSConfig, aio_channel
+from specd.services.common.discovery import AddressWatcher
+from specd.services.common.grpc_server import CHANNEL_OPTIONS
+from specd.services.common.tls import TLSConfig, aio_channel
 from specd.v1 import common_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)

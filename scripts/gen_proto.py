@@ -1,6 +1,7 @@
-"""Generate the Python gRPC stubs from proto/ into ./specd/ (ignored by git; never edited by hand).
+"""Generate the Python gRPC stubs from proto/ into ./specd/v1 (ignored by git; never edited by hand).
 
-Run by scripts/setup.sh before the package is installed; rerun after changing a .proto file.
+The package build runs this (setup.py), so ``pip install .`` and ``pip install -e .`` always ship
+stubs made from the current .proto files; run it by hand after changing one in an editable checkout.
 """
 
 from __future__ import annotations
@@ -8,32 +9,39 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from grpc_tools import protoc
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> int:
-    protos = sorted((ROOT / "proto").rglob("*.proto"))
+def generate(root: Path = ROOT) -> int:
+    """protoc over ``root/proto`` into ``root`` (the proto package ``specd.v1`` lands in
+    ``root/specd/v1``), with the ``__init__.py`` files that make it importable. Returns how many
+    .proto files it compiled."""
+    from grpc_tools import protoc
+
+    protos = sorted((root / "proto").rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
     args = [
         "protoc",
-        f"-I{ROOT / 'proto'}",
+        f"-I{root / 'proto'}",
         f"-I{include}",
-        f"--python_out={ROOT}",
-        f"--pyi_out={ROOT}",
-        f"--grpc_python_out={ROOT}",
+        f"--python_out={root}",
+        f"--pyi_out={root}",
+        f"--grpc_python_out={root}",
         *map(str, protos),
     ]
     if protoc.main(args) != 0:
-        print("protoc failed", file=sys.stderr)
-        return 1
-    for pkg in {p.parent.relative_to(ROOT / "proto") for p in protos}:
-        for d in (ROOT / pkg, *(ROOT / pkg).parents):
-            if d == ROOT:
+        raise RuntimeError("protoc failed on " + " ".join(map(str, protos)))
+    for pkg in {p.parent.relative_to(root / "proto") for p in protos}:
+        for d in (root / pkg, *(root / pkg).parents):
+            if d == root:
                 break
             (d / "__init__.py").touch()
-    print(f"generated stubs for {len(protos)} protos under {ROOT / 'specd'}")
+    return len(protos)
+
+
+def main() -> int:
+    n = generate()
+    print(f"generated stubs for {n} protos under {ROOT / 'specd'}")
     return 0
 
 

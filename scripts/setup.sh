@@ -10,14 +10,12 @@ PY=${PYTHON:-python3}
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || pip install torch==2.13.0
-# The gRPC stubs are generated, never committed: protoc runs before the package is installed.
-pip install "grpcio-tools>=1.60"
-.venv/bin/python scripts/gen_proto.py
+# The gRPC stubs are generated, never committed: the package build runs protoc (setup.py).
 extra=""
 [ "${1:-}" = "dev" ] && extra="[dev]"
 pip install -e ".${extra}"
 # Build the AVX2 linear kernels now rather than at the first model load (a no-op where they do not apply).
-.venv/bin/python -c "from services.engine.kernels import ensure_built; ensure_built()"
+.venv/bin/python -c "from specd.services.engine.kernels import ensure_built; ensure_built()"
 # dev: the Prometheus server that tests/deploy/test_prometheus_dashboard.py runs (Debian's package;
 # warns instead of failing where apt-get or root is missing, and that test then fails with the advice).
 if [ "${1:-}" = "dev" ]; then

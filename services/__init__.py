@@ -1,1 +1,1 @@
-"""specd services: the speculative engine (services.engine) and, on top of it, the gRPC services."""
+"""specd services: the speculative engine (specd.services.engine) and, on top of it, the gRPC services."""

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from services.paths import DEMO_DRAFT, DEMO_TARGET, DTYPE_NAMES
+from specd.services.paths import DEMO_DRAFT, DEMO_TARGET, DTYPE_NAMES
 
 
 def _add_pair_arg(p: argparse.ArgumentParser) -> None:
@@ -60,8 +60,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
-    from services.common.config import parse_bytes
-    from services.engine.prefill import DEFAULT_PREFILL_CHUNK
+    from specd.services.common.config import parse_bytes
+    from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK
 
     p.add_argument(
         "--kv-cache-memory",
@@ -96,10 +96,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from services.engine.builder import ModelSpec, build_engine
-    from services.engine.chat import encode_chat, encode_text
-    from services.engine.engine import AUTO_NUM_TOKENS, FIXED_NUM_TOKENS, EngineConfig, Request, SpecConfig
-    from services.engine.sampling import SamplingParams
+    from specd.services.engine.builder import ModelSpec, build_engine
+    from specd.services.engine.chat import encode_chat, encode_text
+    from specd.services.engine.engine import AUTO_NUM_TOKENS, FIXED_NUM_TOKENS, EngineConfig, Request, SpecConfig
+    from specd.services.engine.sampling import SamplingParams
 
     num_tokens = args.num_speculative_tokens
     if num_tokens is None:
@@ -183,7 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.soak:
-        from benchmarks.soak_bench import SoakConfig, run_soak
+        from specd.benchmarks.soak_bench import SoakConfig, run_soak
 
         concurrency = int(args.concurrency) if args.concurrency_given else 64
         return run_soak(
@@ -198,9 +198,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         )
     if args.pair and args.pair != "demo" and not args.serve:
-        from benchmarks.pair_bench import PairBenchConfig, run_pair_bench
-        from services.model_store.fetch import gguf_path
-        from services.model_store.pairs import get_pair
+        from specd.benchmarks.pair_bench import PairBenchConfig, run_pair_bench
+        from specd.services.model_store.fetch import gguf_path
+        from specd.services.model_store.pairs import get_pair
 
         pair = get_pair(args.pair)
         ggufs = [gguf_path(m.source) for m in (pair.target, pair.draft) if m.source is not None]
@@ -229,7 +229,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 0
     if args.serve:
-        from benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
+        from specd.benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
 
         run_serve_bench(
             ServeBenchConfig(
@@ -249,7 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from benchmarks.engine_bench import BenchConfig, run_engine_bench
+    from specd.benchmarks.engine_bench import BenchConfig, run_engine_bench
 
     cfg = BenchConfig(
         target=args.target,
@@ -279,14 +279,14 @@ def _service_kwargs(args: argparse.Namespace) -> dict:
 
 def _tls(args: argparse.Namespace):
     """--tls-cert/--tls-key/--tls-ca (all or none), read once here; None for plaintext."""
-    from services.common.tls import TLSConfig
+    from specd.services.common.tls import TLSConfig
 
     return TLSConfig.from_files(args.tls_cert, args.tls_key, args.tls_ca, getattr(args, "tls_server_name", None))
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
-    from services.common.runtime import configure_torch_threads
-    from services.draft.server import DraftServerConfig, serve
+    from specd.services.common.runtime import configure_torch_threads
+    from specd.services.draft.server import DraftServerConfig, serve
 
     tls = _tls(args)
     configure_torch_threads(args.threads)
@@ -303,8 +303,8 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
 
 def cmd_target(args: argparse.Namespace) -> int:
-    from services.common.runtime import configure_torch_threads
-    from services.target.server import TargetServerConfig, serve
+    from specd.services.common.runtime import configure_torch_threads
+    from specd.services.target.server import TargetServerConfig, serve
 
     tls = _tls(args)
     _check_capacity(args)
@@ -327,8 +327,8 @@ def cmd_target(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.app import run
-    from gateway.settings import GatewaySettings
+    from specd.gateway.app import run
+    from specd.gateway.settings import GatewaySettings
 
     addresses = _addresses(args.target_address)
     if not addresses:
@@ -367,7 +367,7 @@ def _check_capacity(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from services.serve import ServeConfig, serve
+    from specd.services.serve import ServeConfig, serve
 
     _check_capacity(args)
     return serve(
@@ -401,7 +401,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models_fetch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from services.model_store.fetch import fetch_pair
+    from specd.services.model_store.fetch import fetch_pair
 
     paths = fetch_pair(args.name, Path(args.dir) if args.dir else None)
     if args.json:
@@ -412,7 +412,7 @@ def cmd_models_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from services.model_store.fetch import pair_status
+    from specd.services.model_store.fetch import pair_status
 
     rows = pair_status()
     if args.json:
@@ -427,8 +427,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def _pair_for_serve(name: str):
     """``specd serve --pair``: the pair's folders, fetched on first use; the demo pair, with a warning,
     when the fetch cannot run (offline, say), so the quick start always serves something."""
-    from services.model_store.fetch import FetchError, PairNotFetchedError, fetch_pair, resolve_pair
-    from services.model_store.pairs import DEMO
+    from specd.services.model_store.fetch import FetchError, PairNotFetchedError, fetch_pair, resolve_pair
+    from specd.services.model_store.pairs import DEMO
 
     try:
         return resolve_pair(name)
@@ -453,7 +453,7 @@ def _apply_pair(args: argparse.Namespace) -> None:
     if args.command == "serve":
         paths = _pair_for_serve(args.pair)
     else:
-        from services.model_store.fetch import resolve_pair
+        from specd.services.model_store.fetch import resolve_pair
 
         paths = resolve_pair(args.pair)
     if args.command == "target":
@@ -674,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     ml.add_argument("--json", action="store_true")
     ml.set_defaults(func=cmd_models_list)
 
-    from services.ray_cluster.cli import add_parser as add_ray_parser
+    from specd.services.ray_cluster.cli import add_parser as add_ray_parser
 
     add_ray_parser(sub)
     return parser
@@ -691,10 +691,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "model", "unset") is None:
         args.model = args.model_default
     # Before anything imports torch: libgomp reads its settings once, when it loads.
-    from services.common.runtime import configure_openmp
+    from specd.services.common.runtime import configure_openmp
 
     configure_openmp()
-    from services.model_store.fetch import FetchError
+    from specd.services.model_store.fetch import FetchError
 
     try:
         _apply_pair(args)

@@ -18,9 +18,9 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.drain import DEFAULT_DRAIN_TIMEOUT
-from services.common.process import die_with_parent
-from services.common.runtime import DEFAULT_SPINCOUNT
+from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT
+from specd.services.common.process import die_with_parent, specd_command
+from specd.services.common.runtime import DEFAULT_SPINCOUNT
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,9 @@ class ServeConfig:
 
 
 def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
-    cli = [sys.executable, "-m", "services.cli"]
 
     def model_service(role: str, model: str, port: int, metrics_port: int, dtype: str) -> list[str]:
-        cmd = [*cli, role, "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
+        cmd = [*specd_command(role), "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
                "--dtype", dtype, "--device", cfg.device, "--host", "127.0.0.1",
                "--drain-timeout", str(cfg.drain_timeout)]  # fmt: skip
         for flag, value in (
@@ -90,8 +89,7 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
         target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
     cmds.append(("target", target))
     gw = [
-        *cli,
-        "gateway",
+        *specd_command("gateway"),
         "--target-address",
         f"127.0.0.1:{cfg.target_port}",
         "--port",

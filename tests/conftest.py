@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,7 @@ def real_pair() -> tuple[Path, Path]:
     exactness tests on real weights must run)."""
     import os
 
-    from services.model_store.fetch import FetchError, fetch_pair
+    from specd.services.model_store.fetch import FetchError, fetch_pair
 
     try:
         paths = fetch_pair("qwen2.5-coder")
@@ -48,6 +50,24 @@ def real_pair() -> tuple[Path, Path]:
             pytest.fail(f"the real pair could not be fetched under CI: {exc}")
         pytest.skip(f"the real pair is not fetched and cannot be: {exc}")
     return paths.target, paths.draft
+
+
+@pytest.fixture(scope="session")
+def built_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package as ``pip install .`` lays it out in site-packages (setup.py's build_py: stubs
+    generated from proto/, the folders mapped under ``specd``, the demo pair as package data), built
+    into a temporary folder; put it first on PYTHONPATH and run from elsewhere to use it instead of
+    the checkout (a wheel only zips this tree, and zipping 60 MB is what would make it slow)."""
+    out = tmp_path_factory.mktemp("site-packages")
+    res = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    return out
 
 
 @pytest.fixture(autouse=True)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+
+from specd.services.common.process import specd_command
 
 
 def _specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return subprocess.run(specd_command(*args), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_generate_json_output(tiny_pair) -> None:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.llama import dequantize_int4
-from services.model_store.gguf_blocks import gguf_source, hf_name, q4k_to_int4_records, read_q4k_linears
+from specd.services.engine.llama import dequantize_int4
+from specd.services.model_store.gguf_blocks import gguf_source, hf_name, q4k_to_int4_records, read_q4k_linears
 
 
 def test_names_map_to_hugging_face() -> None:

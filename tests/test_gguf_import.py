@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.model_store import fetch, gguf_import
+from specd.services.model_store import fetch, gguf_import
 
 
 def _fake_convert(calls: list[Path]):
@@ -47,7 +47,7 @@ def test_folders_and_hub_ids_pass_through_and_a_missing_gguf_is_a_clear_error(tm
 
 
 def test_the_served_name_of_a_gguf_drops_the_suffix() -> None:
-    from services.common.config import ServiceConfig
+    from specd.services.common.config import ServiceConfig
 
     assert ServiceConfig(model="/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", port=1).model_name == (
         "qwen2.5-coder-0.5b-instruct-q4_k_m"
@@ -59,9 +59,9 @@ def test_the_real_draft_gguf_loads_as_the_fetched_folder_does(real_pair) -> None
     `specd models fetch` made from it (the first run converts it, about two minutes; then cached)."""
     from safetensors import safe_open
 
-    from services.engine.builder import load_tokenizer
-    from services.engine.model import load_model
-    from services.model_store.pairs import PAIRS
+    from specd.services.engine.builder import load_tokenizer
+    from specd.services.engine.model import load_model
+    from specd.services.model_store.pairs import PAIRS
 
     _, draft_dir = real_pair
     gguf = fetch.gguf_path(PAIRS["qwen2.5-coder"].draft.source)

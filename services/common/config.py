@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from services.engine.kv_cache import DEFAULT_KV_CACHE_MEMORY
-from services.engine.prefill import DEFAULT_PREFILL_CHUNK
+from specd.services.engine.kv_cache import DEFAULT_KV_CACHE_MEMORY
+from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK
 
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 

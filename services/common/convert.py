@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.engine.sampling import SamplingParams
+from specd.services.engine.sampling import SamplingParams
 from specd.v1 import common_pb2
 
 

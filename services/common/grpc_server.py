@@ -9,8 +9,8 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.drain import Drain
-from services.common.tls import TLSConfig
+from specd.services.common.drain import Drain
+from specd.services.common.tls import TLSConfig
 
 # Candidate blocks with sparse q and prompts of a full context stay far below this; it only guards
 # against a runaway message.

@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 
-from services.common.drain import Drain
-from services.common.grpc_server import drain_then, start_server
-from services.common.tls import TLSConfig
+from specd.services.common.drain import Drain
+from specd.services.common.grpc_server import drain_then, start_server
+from specd.services.common.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 

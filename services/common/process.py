@@ -1,4 +1,5 @@
-"""Child processes that never outlive their parent."""
+"""Child processes: their command lines (built here and nowhere else), and children that never
+outlive their parent."""
 
 from __future__ import annotations
 
@@ -6,6 +7,20 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
+
+CLI_MODULE = "specd.services.cli"
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m MODULE ARGS`` with this interpreter (the same environment; no ``specd`` script
+    looked up on PATH, which a venv that is not activated does not have)."""
+    return [sys.executable, "-m", module, *args]
+
+
+def specd_command(*args: str) -> list[str]:
+    """The command line of ``specd ARGS`` as a child process."""
+    return module_command(CLI_MODULE, *args)
 
 
 def die_with_parent() -> None:

@@ -13,13 +13,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig
-from services.common.convert import sampling_from_pb
-from services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
-from services.common.grpc_server import run_server, start_metrics_server
-from services.common.tls import TLSConfig
-from services.draft import metrics
-from services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
+from specd.services.common.config import ServiceConfig
+from specd.services.common.convert import sampling_from_pb
+from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
+from specd.services.common.grpc_server import run_server, start_metrics_server
+from specd.services.common.tls import TLSConfig
+from specd.services.draft import metrics
+from specd.services.draft.worker import BlockOut, DraftWorker, OpenSeq, ProposeReq
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 
 def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoResponse]:
-    from services.engine.builder import DTYPES
-    from services.engine.drafters import ModelDrafter
-    from services.engine.engine import MAX_SPECULATIVE_TOKENS
-    from services.engine.model import load_model
+    from specd.services.engine.builder import DTYPES
+    from specd.services.engine.drafters import ModelDrafter
+    from specd.services.engine.engine import MAX_SPECULATIVE_TOKENS
+    from specd.services.engine.model import load_model
 
     model = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend, quantize=cfg.quantize)
     max_len = min(cfg.max_model_len or model.info.max_context, model.info.max_context)

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.engine.drafters import DraftRow, ModelDrafter
-from services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
-from services.engine.sampling import BatchSampling, SamplingParams, make_generator
-from services.engine.sparse import to_sparse
+from specd.services.engine.drafters import DraftRow, ModelDrafter
+from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
+from specd.services.engine.sampling import BatchSampling, SamplingParams, make_generator
+from specd.services.engine.sparse import to_sparse
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.engine import Engine, EngineConfig
-from services.engine.model import CausalLM, VocabMismatchError, check_same_vocab, load_model
-from services.paths import DEMO_DRAFT, DEMO_TARGET
+from specd.services.engine.engine import Engine, EngineConfig
+from specd.services.engine.model import CausalLM, VocabMismatchError, check_same_vocab, load_model
+from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,9 +36,9 @@ class ModelSpec:
 
 
 def load_tokenizer(path: str):
-    """The model's tokenizer (:mod:`services.engine.tokenizer`: without importing transformers where it can)."""
-    from services.engine.tokenizer import load_tokenizer as load
-    from services.model_store.gguf_import import resolve_model_path
+    """The model's tokenizer (:mod:`specd.services.engine.tokenizer`: without importing transformers where it can)."""
+    from specd.services.engine.tokenizer import load_tokenizer as load
+    from specd.services.model_store.gguf_import import resolve_model_path
 
     return load(resolve_model_path(path))
 
@@ -47,7 +47,7 @@ def _same_tokenizer_file(target: str, draft: str) -> bool:
     """Both local folders hold byte-identical tokenizer.json files (then the vocabularies agree)."""
     from pathlib import Path
 
-    from services.model_store.gguf_import import resolve_model_path
+    from specd.services.model_store.gguf_import import resolve_model_path
 
     a, b = Path(resolve_model_path(target)) / "tokenizer.json", Path(resolve_model_path(draft)) / "tokenizer.json"
     try:
@@ -67,13 +67,13 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
 def load_target(spec: ModelSpec) -> CausalLM:
     """The target model: in this process, or sharded over ``spec.tensor_parallel_size`` processes
     (this one is rank 0 and drives the others)."""
-    from services.model_store.gguf_import import resolve_model_path
+    from specd.services.model_store.gguf_import import resolve_model_path
 
     if spec.tensor_parallel_size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {spec.tensor_parallel_size}")
     spec = dataclasses.replace(spec, target=resolve_model_path(spec.target))
     if spec.tensor_parallel_size > 1:
-        from services.engine.tensor_parallel import start_tensor_parallel
+        from specd.services.engine.tensor_parallel import start_tensor_parallel
 
         if spec.target_quantize:
             raise ValueError("a quantized target cannot be sharded yet (--quantize with --tensor-parallel-size)")

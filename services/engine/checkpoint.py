@@ -6,7 +6,7 @@ for the demo pair and for one mid-sized model, and it is a wall for a sharded ta
 ``--tensor-parallel-size 8`` on a 70B model every rank would read 280 GB to keep 1/8 of it.
 
 :class:`SafetensorsState` instead reads ``*.safetensors`` files through memory maps, one tensor at a
-time, and for a sharded tensor only the rows or columns of this rank. :class:`~services.engine.llama.LlamaLM`
+time, and for a sharded tensor only the rows or columns of this rank. :class:`~specd.services.engine.llama.LlamaLM`
 casts and moves each tensor as it takes it, so the peak is one tensor of the checkpoint, not the model.
 """
 

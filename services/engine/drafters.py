@@ -20,11 +20,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
-from services.engine.model import CausalLM
-from services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
-from services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
-from services.engine.sparse import truncate_probs
+from specd.services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
+from specd.services.engine.model import CausalLM
+from specd.services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
+from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
+from specd.services.engine.sparse import truncate_probs
 
 
 @dataclass

@@ -13,14 +13,14 @@ One :meth:`Engine.step` is one round for every running sequence:
 5. **evict** finished sequences and free their slots.
 
 Speculation off (method "none") runs the very same path with zero guesses, so it is the baseline.
-Method "auto" (the default) lets :mod:`services.engine.controller` pick each round, per sequence,
+Method "auto" (the default) lets :mod:`specd.services.engine.controller` pick each round, per sequence,
 k in 0..num_tokens and the drafter (n-gram where it has a match, the draft model, or none) from
 what earlier rounds measured; k depends only on the past, so the output law is unchanged.
 
 Cache invariant: for every decoding sequence, both caches hold all committed tokens but the last;
 the last one is the first input of the next round. A sequence still prefilling holds fewer.
 
-KV memory is one block pool per model sized by a byte budget (:mod:`services.engine.kv_cache`). A
+KV memory is one block pool per model sized by a byte budget (:mod:`specd.services.engine.kv_cache`). A
 decoding sequence takes blocks as it grows; when the pool runs dry the youngest sequence is
 preempted (vLLM's recompute preemption): its blocks go back, and it is prefilled again, its
 tokens so far as the prompt, when blocks free up. Nothing fails for want of memory; it waits.
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.controller import (
+from specd.services.engine.controller import (
     DRAFTER_NAMES,
     MODEL,
     NGRAM,
@@ -45,14 +45,20 @@ from services.engine.controller import (
     SeqAcceptance,
     SpeculationController,
 )
-from services.engine.detokenize import Detokenizer
-from services.engine.drafters import Drafter, DraftRow, ModelDrafter, NGramDrafter
-from services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
-from services.engine.model import CausalLM, check_same_vocab
-from services.engine.prefill import DEFAULT_PREFILL_CHUNK, PrefillRow, chunk_budget, plan_chunk, prefill_pass
-from services.engine.rejection import greedy_verify, rejection_sample
-from services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs, round_generator
-from services.engine.stats import SpecStats
+from specd.services.engine.detokenize import Detokenizer
+from specd.services.engine.drafters import Drafter, DraftRow, ModelDrafter, NGramDrafter
+from specd.services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
+from specd.services.engine.model import CausalLM, check_same_vocab
+from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, PrefillRow, chunk_budget, plan_chunk, prefill_pass
+from specd.services.engine.rejection import greedy_verify, rejection_sample
+from specd.services.engine.sampling import (
+    BatchSampling,
+    SamplingParams,
+    make_generator,
+    processed_probs,
+    round_generator,
+)
+from specd.services.engine.stats import SpecStats
 
 log = logging.getLogger(__name__)
 

@@ -149,8 +149,8 @@ class BlockTable(SlotAllocator):
         """Hook for storage: blocks just handed out."""
 
     def layout(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu"):
-        """The :class:`~services.engine.model.BatchLayout` of a batch over this cache."""
-        from services.engine.model import BatchLayout
+        """The :class:`~specd.services.engine.model.BatchLayout` of a batch over this cache."""
+        from specd.services.engine.model import BatchLayout
 
         return BatchLayout(slots, starts, T, device)
 
@@ -188,6 +188,6 @@ class PagedKVCache(BlockTable):
             self.v[:, b * bs : (b + 1) * bs].zero_()
 
     def layout(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu"):
-        from services.engine.model import PagedLayout
+        from specd.services.engine.model import PagedLayout
 
         return PagedLayout(slots, starts, T, self.table[slots], self.block_size, device)

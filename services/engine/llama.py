@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from services.engine.kv_cache import KVCache, PagedKVCache, kv_bytes
-from services.engine.model import BatchLayout, ModelInfo, eos_ids_of
+from specd.services.engine.kv_cache import KVCache, PagedKVCache, kv_bytes
+from specd.services.engine.model import BatchLayout, ModelInfo, eos_ids_of
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -65,7 +65,7 @@ INT4_GROUP = 32  # weights per (scale, min) pair; the kernel's layout depends on
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_int8_reference`, by the compiled kernel where it is available (the same bytes,
     tested; the Python one took seconds of a cold start for the 0.5B draft)."""
-    from services.engine import kernels
+    from specd.services.engine import kernels
 
     if weight.device.type == "cpu" and kernels.ensure_built():
         return tuple(torch.ops.specd_kernels.quantize_int8(weight))
@@ -117,7 +117,7 @@ def pack_int4(
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor]:
     """:func:`quantize_int4_reference`, computed by the compiled kernel where it is available (the
     same bytes, tested; the Python one takes tens of seconds for a 1.5B model)."""
-    from services.engine import kernels
+    from specd.services.engine import kernels
 
     if weight.shape[1] % INT4_GROUP:
         raise ValueError(f"int4 needs a multiple of {INT4_GROUP} input features, got {weight.shape[1]}")
@@ -185,7 +185,7 @@ def dequantize_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 class Linear:
     """y = x W^T (+ b): through oneDNN with a weight packed once at load time (``prepack``), through
-    our AVX2 bf16 kernel (``kernel``, :mod:`services.engine.kernels`), through the int8 or int4
+    our AVX2 bf16 kernel (``kernel``, :mod:`specd.services.engine.kernels`), through the int8 or int4
     kernel with the weight quantized at load (``quantize="int8"`` / ``"int4"``), or through ``F.linear``."""
 
     def __init__(
@@ -198,7 +198,7 @@ class Linear:
         if quantize == "int4" and weight.shape[1] % INT4_GROUP:
             quantize = "int8"  # int4 groups need a multiple of 32 input features; only tiny models lack it
         if quantize is not None:
-            from services.engine import kernels
+            from specd.services.engine import kernels
 
             self.kernel = kernels.int8_linear() if quantize == "int8" else kernels.int4_linear()
             if self.kernel is None:
@@ -209,8 +209,8 @@ class Linear:
 
     @classmethod
     def from_int4_records(cls, records: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        """An int4 layer from ready records (a GGUF file's Q4_K blocks, :mod:`services.model_store.gguf_blocks`)."""
-        from services.engine import kernels
+        """An int4 layer from ready records (a GGUF file's Q4_K blocks, :mod:`specd.services.model_store.gguf_blocks`)."""
+        from specd.services.engine import kernels
 
         lin = cls.__new__(cls)
         lin.bias, lin.scales, lin.prepacked, lin.weight = bias, (), False, records
@@ -283,9 +283,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaLM:
-    """A Llama-family causal LM with the ``CausalLM`` interface of :mod:`services.engine.model`.
+    """A Llama-family causal LM with the ``CausalLM`` interface of :mod:`specd.services.engine.model`.
 
-    Tensor parallel (:mod:`services.engine.tensor_parallel`): ``shape`` and ``state`` are one rank's
+    Tensor parallel (:mod:`specd.services.engine.tensor_parallel`): ``shape`` and ``state`` are one rank's
     shard (its heads, its slice of the MLP) and ``reduce`` all-reduces the outputs of ``o_proj``
     and ``down_proj`` across ranks; everything else runs unchanged on every rank.
     """
@@ -305,14 +305,14 @@ class LlamaLM:
         int4_records: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """``int4_records``: under ``quantize="int4"``, ready int4 records by weight name (a GGUF file's
-        Q4_K tensors, :func:`services.model_store.gguf_blocks.read_q4k_linears`) used as they are."""
+        Q4_K tensors, :func:`specd.services.model_store.gguf_blocks.read_q4k_linears`) used as they are."""
         self.shape = shape
         self.info = info
         self.dtype = dtype
         self.device = torch.device(device)
         kernel = None
         if prepack is not True and self.device.type == "cpu" and dtype == torch.bfloat16:
-            from services.engine.kernels import bf16_linear
+            from specd.services.engine.kernels import bf16_linear
 
             kernel = bf16_linear()  # None where it does not apply
         if prepack is None:
@@ -411,13 +411,13 @@ class LlamaLM:
             return False
         if (kernel is None and quantize is None) or s.head_dim % 16 or s.hidden_size % 8:
             return False
-        from services.engine.kernels import fused_decoder_class
+        from specd.services.engine.kernels import fused_decoder_class
 
         return fused_decoder_class() is not None
 
     def _fused_decoder(self, inv_freq: torch.Tensor, attention_scaling: float):
         """The fused forward, over the same weight tensors as the per-op path (no extra memory)."""
-        from services.engine.kernels import fused_decoder_class
+        from specd.services.engine.kernels import fused_decoder_class
 
         s = self.shape
         empty = torch.empty(0)
@@ -544,7 +544,7 @@ class LlamaCheckpoint:
     """Everything :class:`LlamaLM` is built from: shape, weights (full, unsharded), RoPE, model info.
 
     ``state`` is a plain dict when read out of a loaded ``transformers`` model, or a lazy
-    :class:`~services.engine.checkpoint.SafetensorsState` that reads each tensor when asked.
+    :class:`~specd.services.engine.checkpoint.SafetensorsState` that reads each tensor when asked.
     """
 
     shape: LlamaShape
@@ -633,7 +633,7 @@ def _rotary_embedding(cfg) -> torch.nn.Module:
 def open_llama_checkpoint(name_or_path: str) -> LlamaCheckpoint | None:
     """A lazy checkpoint over the model's safetensors files (local dir or hub id), without loading
     any weight yet; None when there are no safetensors files to read (load through transformers)."""
-    from services.engine.checkpoint import SafetensorsState, local_checkpoint_dir, safetensors_files
+    from specd.services.engine.checkpoint import SafetensorsState, local_checkpoint_dir, safetensors_files
 
     directory = local_checkpoint_dir(name_or_path)
     files = safetensors_files(directory) if directory is not None else None

@@ -5,7 +5,7 @@ num_blocks, block_size, max_len)`` (the engine's block pool), ``new_cache(num_sl
 static cache) and ``forward(input_ids [B, T], cache, layout, logits_for)``; a cache's ``layout()``
 builds the :class:`BatchLayout` its forward needs. Two implementations:
 
-- :class:`services.engine.llama.LlamaLM`: own forward for Llama/Mistral/Qwen2 (fast path);
+- :class:`specd.services.engine.llama.LlamaLM`: own forward for Llama/Mistral/Qwen2 (fast path);
 - :class:`HFCausalLM`: any other ``transformers`` causal LM, one ``DynamicCache`` per slot, cropped
   on rollback. Correct for every architecture, slower (rows run one at a time).
 
@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from services.engine.kv_cache import BlockTable, SlotAllocator, kv_bytes
+from specd.services.engine.kv_cache import BlockTable, SlotAllocator, kv_bytes
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class BatchLayout:
 
 
 class PagedLayout(BatchLayout):
-    """A batch over a :class:`~services.engine.kv_cache.PagedKVCache`: positions map to pool rows
+    """A batch over a :class:`~specd.services.engine.kv_cache.PagedKVCache`: positions map to pool rows
     through each sequence's block table.
 
     ``table`` [B, W] holds the rows' block ids (the scratch block past their own). One sequence
@@ -258,7 +258,7 @@ def _load_hf(name_or_path: str):
 def _own_llama(
     name_or_path: str, dtype: torch.dtype, device: torch.device | str, quantize: str | None = None
 ) -> CausalLM:
-    from services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint
+    from specd.services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint
 
     # Straight from the safetensors files, one tensor at a time in the checkpoint's dtype: no
     # float32 copy of the whole model on the host first. Other formats go through transformers.
@@ -267,7 +267,7 @@ def _own_llama(
         return load_llama(_load_hf(name_or_path), dtype, device, prepack=None, quantize=quantize)
     records = None
     if quantize == "int4" and torch.device(device).type == "cpu":
-        from services.model_store.gguf_blocks import gguf_source, read_q4k_linears
+        from specd.services.model_store.gguf_blocks import gguf_source, read_q4k_linears
 
         source = gguf_source(name_or_path)  # a model converted from a GGUF file: serve its own Q4_K blocks
         records = read_q4k_linears(source) if source is not None else None
@@ -300,7 +300,7 @@ def default_draft_quantize(device: torch.device | str) -> str | None:
     quantization elsewhere."""
     if torch.device(device).type != "cpu":
         return None
-    from services.engine.kernels import int8_linear
+    from specd.services.engine.kernels import int8_linear
 
     return "int8" if int8_linear() is not None else None
 
@@ -314,15 +314,15 @@ def load_model(
 ) -> CausalLM:
     """Load an HF causal LM by local path or hub id. ``backend``: "auto", "own" or "transformers".
     ``quantize``: None, "int8" or "int4" (weight-only, the own forward on CPU, see
-    :func:`services.engine.llama.quantize_int4`), or "auto" (:func:`default_draft_quantize`, for
+    :func:`specd.services.engine.llama.quantize_int4`), or "auto" (:func:`default_draft_quantize`, for
     drafts, which may be anything without changing what the target emits)."""
-    from services.model_store.gguf_import import resolve_model_path
+    from specd.services.model_store.gguf_import import resolve_model_path
 
     name_or_path = resolve_model_path(name_or_path)  # a .gguf file: its converted folder
     auto = quantize == "auto"
     quantize = default_draft_quantize(device) if auto else quantize
     if backend != "transformers":
-        from services.engine.llama import plain_config
+        from specd.services.engine.llama import plain_config
 
         plain = plain_config(name_or_path)
         if plain is not None:

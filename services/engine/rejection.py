@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.sampling import sample_from, uniforms
+from specd.services.engine.sampling import sample_from, uniforms
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 

@@ -13,7 +13,7 @@ a socket rather than in a GPU kernel, and that group's timeout is long enough ne
 idle); token ids and all-reduces go over the data group: NCCL on CUDA, gloo on CPU.
 
 Launch. :func:`start_tensor_parallel` spawns ranks 1..N-1 as children of rank 0
-(``python -m services.engine.tensor_parallel``), which the kernel stops if rank 0 dies. External
+(``python -m specd.services.engine.tensor_parallel``), which the kernel stops if rank 0 dies. External
 launchers (Kubernetes, Ray, torchrun: one process per GPU) set ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` instead and start every rank with the same ``specd target``
 command; rank r uses ``cuda:LOCAL_RANK`` (default ``cuda:r``) of the GPUs it can see.
@@ -38,12 +38,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.common.process import die_with_parent
-from services.engine.checkpoint import SafetensorsState
-from services.engine.kv_cache import BlockTable, KVCache, PagedKVCache
-from services.engine.llama import SUPPORTED_MODEL_TYPES, LlamaLM, LlamaShape, open_llama_checkpoint, read_llama
-from services.engine.model import BatchLayout, PagedLayout
-from services.paths import DTYPE_NAMES
+from specd.services.common.process import die_with_parent, module_command
+from specd.services.engine.checkpoint import SafetensorsState
+from specd.services.engine.kv_cache import BlockTable, KVCache, PagedKVCache
+from specd.services.engine.llama import SUPPORTED_MODEL_TYPES, LlamaLM, LlamaShape, open_llama_checkpoint, read_llama
+from specd.services.engine.model import BatchLayout, PagedLayout
+from specd.services.paths import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def load_llama_shard(model: str, dtype: torch.dtype, group: TPGroup) -> LlamaLM:
     """Load ``model`` (local dir or hub id) and keep this rank's shard on its device.
 
     From safetensors files each rank reads only its own slices, one tensor at a time
-    (:mod:`services.engine.checkpoint`). Without them (``.bin`` checkpoints) every rank loads the
+    (:mod:`specd.services.engine.checkpoint`). Without them (``.bin`` checkpoints) every rank loads the
     whole model through ``transformers`` and then keeps its share.
     """
     full = open_llama_checkpoint(model)
@@ -187,7 +187,7 @@ def load_llama_shard(model: str, dtype: torch.dtype, group: TPGroup) -> LlamaLM:
         state: Mapping[str, torch.Tensor] = SafetensorsState(full.state.files, split_dim, group.rank, group.world)
         shape = local_shape(full.shape, group.world)
     else:
-        from services.engine.model import _load_hf
+        from specd.services.engine.model import _load_hf
 
         hf = _load_hf(model)
         if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -392,7 +392,7 @@ def _spawn_worker(
     rank: int, world: int, port: int, model: str, dtype: str, device: str, threads: int | None
 ) -> subprocess.Popen:
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cmd = [sys.executable, "-m", "services.engine.tensor_parallel", "--model", model, "--dtype", dtype]
+    cmd = module_command(__name__, "--model", model, "--dtype", dtype)
     cmd += ["--device", device] + (["--threads", str(threads)] if threads else [])
     # Own process group: a terminal's Ctrl-C reaches rank 0 only, which then stops the others in order.
     return subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=die_with_parent)
@@ -433,7 +433,7 @@ def start_tensor_parallel(
             worker_main(model, dtype, device, rank, world, addr, port)
             raise SystemExit(0)
     else:
-        from services.common.ports import free_ports
+        from specd.services.common.ports import free_ports
 
         if torch.device(device).type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(f"tensor parallel size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
@@ -464,9 +464,9 @@ def start_tensor_parallel(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ranks 1..N-1: ``python -m services.engine.tensor_parallel`` with the
+    """Entry point of ranks 1..N-1: ``python -m specd.services.engine.tensor_parallel`` with the
     torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    p = argparse.ArgumentParser(prog="python -m services.engine.tensor_parallel", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m specd.services.engine.tensor_parallel", description=main.__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
     p.add_argument("--device", default="cpu")

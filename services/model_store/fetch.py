@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.model_store.pairs import ChunkedGGUF, ModelEntry, PairSpec, get_pair
-from services.paths import DEMO_DRAFT, DEMO_TARGET
+from specd.services.model_store.pairs import ChunkedGGUF, ModelEntry, PairSpec, get_pair
+from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
 
 STAMP = "specd_fetch.json"
 STAMP_VERSION = 1
@@ -375,7 +375,7 @@ def resolve_pair(name: str) -> PairPaths:
 
 def pair_status() -> list[dict]:
     """One row per known pair: name, description, whether it is present, and where."""
-    from services.model_store.pairs import PAIRS
+    from specd.services.model_store.pairs import PAIRS
 
     rows = []
     for pair in PAIRS.values():

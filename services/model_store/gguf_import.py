@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from services.model_store.fetch import cache_root, convert_once
+from specd.services.model_store.fetch import cache_root, convert_once
 
 SUFFIX = ".gguf"
 

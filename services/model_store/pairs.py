@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.paths import DEMO_DRAFT, DEMO_TARGET
+from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,15 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import ray
 
-from services.common.ports import free_ports
-from services.common.process import die_with_parent, stop_process_group
-from services.common.runtime import DEFAULT_SPINCOUNT
+from specd.services.common.ports import free_ports
+from specd.services.common.process import die_with_parent, specd_command, stop_process_group
+from specd.services.common.runtime import DEFAULT_SPINCOUNT
 
 
 def node_ip() -> str:
@@ -44,7 +43,7 @@ class ServiceHost:
     def start(self, argv: list[str], timeout: float = 300.0, env: dict[str, str] | None = None) -> dict[str, str]:
         """Run ``specd ARGV --host 0.0.0.0 --port P --metrics-port M`` and wait until gRPC answers."""
         port, metrics_port = free_ports(2)
-        cmd = [sys.executable, "-m", "services.cli", *argv, "--host", "0.0.0.0"]
+        cmd = specd_command(*argv, "--host", "0.0.0.0")
         cmd += ["--port", str(port), "--metrics-port", str(metrics_port)]
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         full_env.setdefault("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)
@@ -96,7 +95,7 @@ class GatewayHost:
     async def start(self, settings) -> str:
         import uvicorn
 
-        from gateway.app import create_app
+        from specd.gateway.app import create_app
 
         self.app = create_app(settings)
         config = uvicorn.Config(self.app, host=settings.host, port=settings.port, log_level="warning", access_log=False)

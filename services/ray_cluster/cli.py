@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from services.paths import DEMO_DRAFT, DEMO_TARGET
+from specd.services.paths import DEMO_DRAFT, DEMO_TARGET
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,13 +57,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _connect(address: str) -> None:
     import ray
 
-    from services.ray_cluster.controller import NAMESPACE
+    from specd.services.ray_cluster.controller import NAMESPACE
 
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
 
 
 def _controller():
-    from services.ray_cluster.controller import get_controller
+    from specd.services.ray_cluster.controller import get_controller
 
     try:
         return get_controller()
@@ -74,7 +74,7 @@ def _controller():
 def cmd_up(args: argparse.Namespace) -> int:
     import ray
 
-    from services.ray_cluster.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor, RayDeployConfig
+    from specd.services.ray_cluster.controller import CONTROLLER_NAME, NAMESPACE, ControllerActor, RayDeployConfig
 
     _connect(args.address)
     try:

@@ -26,7 +26,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from services.ray_cluster.actors import GatewayActor, ServiceActor
+from specd.services.ray_cluster.actors import GatewayActor, ServiceActor
 from specd.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Controller:
         if cfg.draft_model:
             self._add_drafts(cfg.draft_replicas)
         self._add_targets(cfg.target_replicas)
-        from gateway.settings import GatewaySettings
+        from specd.gateway.settings import GatewaySettings
 
         settings = GatewaySettings(
             target_addresses=tuple(t.address for t in self.targets),

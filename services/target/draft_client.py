@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from services.common.convert import sampling_to_pb
-from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.tls import TLSConfig, channel
-from services.engine.drafters import DraftRow, Proposal
-from services.engine.sampling import BatchSampling, SamplingParams, draw_seed
+from specd.services.common.convert import sampling_to_pb
+from specd.services.common.grpc_server import CHANNEL_OPTIONS
+from specd.services.common.tls import TLSConfig, channel
+from specd.services.engine.drafters import DraftRow, Proposal
+from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class _SeqState:
 
 
 class RemoteDrafter:
-    """A :class:`~services.engine.drafters.Drafter` backed by one or more draft services."""
+    """A :class:`~specd.services.engine.drafters.Drafter` backed by one or more draft services."""
 
     def __init__(
         self,

@@ -15,8 +15,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from services.engine.engine import Engine, Request, StepOutput
-from services.target.metrics import SpecExporter
+from specd.services.engine.engine import Engine, Request, StepOutput
+from specd.services.target.metrics import SpecExporter
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.engine.engine import DRAFTER_LABELS, StepOutput
+from specd.services.engine.engine import DRAFTER_LABELS, StepOutput
 
 DRAFT_TOKENS = Counter("specd_spec_draft_tokens", "Draft tokens proposed and verified")
 ACCEPTED_TOKENS = Counter("specd_spec_accepted_tokens", "Draft tokens the target accepted")

@@ -1,6 +1,6 @@
 """The target gRPC service: validates and tokenizes requests, feeds the engine loop, streams results.
 
-Proto types stop here: requests become :class:`~services.engine.engine.Request` dataclasses, step
+Proto types stop here: requests become :class:`~specd.services.engine.engine.Request` dataclasses, step
 outputs become GenerateResponse messages.
 """
 
@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.config import ServiceConfig
-from services.common.convert import sampling_from_pb
-from services.common.discovery import AddressWatcher, resolve_all, split_host_port
-from services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
-from services.common.grpc_server import CHANNEL_OPTIONS, start_metrics_server
-from services.common.main_thread import serve_with_main_thread
-from services.common.tls import TLSConfig, aio_channel
-from services.engine.chat import encode_chat, encode_text
-from services.engine.engine import (
+from specd.services.common.config import ServiceConfig
+from specd.services.common.convert import sampling_from_pb
+from specd.services.common.discovery import AddressWatcher, resolve_all, split_host_port
+from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
+from specd.services.common.grpc_server import CHANNEL_OPTIONS, start_metrics_server
+from specd.services.common.main_thread import serve_with_main_thread
+from specd.services.common.tls import TLSConfig, aio_channel
+from specd.services.engine.chat import encode_chat, encode_text
+from specd.services.engine.engine import (
     AUTO_NUM_TOKENS,
     FIXED_NUM_TOKENS,
     MAX_SPECULATIVE_TOKENS,
@@ -30,8 +30,8 @@ from services.engine.engine import (
     SpecConfig,
     StepOutput,
 )
-from services.target import metrics
-from services.target.loop import EngineLoop
+from specd.services.target import metrics
+from specd.services.target.loop import EngineLoop
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -266,9 +266,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tuple[EngineLoop, common_pb2.InfoResponse]:
     """The engine loop over the target, speculating with the draft services at ``draft_endpoints``
     (``cfg.draft_addresses`` resolved)."""
-    from services.engine.builder import ModelSpec, load_target, load_tokenizer
-    from services.engine.engine import EngineConfig
-    from services.target.draft_client import DraftClientConfig, RemoteDrafter
+    from specd.services.engine.builder import ModelSpec, load_target, load_tokenizer
+    from specd.services.engine.engine import EngineConfig
+    from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
 
     tokenizer = load_tokenizer(cfg.model)
     spec = ModelSpec(

@@ -67,14 +67,14 @@ def parse_specd_args(args: list[str]):
 
     import pytest
 
-    from services.cli import build_parser
+    from specd.services.cli import build_parser
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
             return build_parser().parse_args(args)
     except SystemExit:
-        pytest.fail(f"`specd {' '.join(args)}` is rejected by services.cli:\n{err.getvalue()}")
+        pytest.fail(f"`specd {' '.join(args)}` is rejected by specd.services.cli:\n{err.getvalue()}")
 
 
 def host_port(address: str) -> tuple[str, int]:
@@ -86,13 +86,13 @@ def defined_metrics() -> dict[str, tuple[str, ...]]:
     """Every sample name the services export, with its label names (the metric modules' collectors)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    import gateway.metrics
-    import services.draft.metrics
-    import services.target.metrics
+    import specd.gateway.metrics
+    import specd.services.draft.metrics
+    import specd.services.target.metrics
 
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     out: dict[str, tuple[str, ...]] = {}
-    for module in (services.target.metrics, services.draft.metrics, gateway.metrics):
+    for module in (specd.services.target.metrics, specd.services.draft.metrics, specd.gateway.metrics):
         for value in vars(module).values():
             if isinstance(value, MetricWrapperBase):
                 for suffix in suffixes[value._type]:

@@ -30,8 +30,8 @@ import httpx
 import pytest
 import yaml
 
-from services.common.ports import free_ports
-from services.common.process import stop_process_group
+from specd.services.common.ports import free_ports
+from specd.services.common.process import specd_command, stop_process_group
 from tests.deploy.files import (
     DEPLOY,
     GRAFANA_INTERVALS,
@@ -70,9 +70,9 @@ def prometheus_binary() -> str:
 
 
 def _is_specd_service(pid: int) -> bool:
-    """Still running, and still the ``services.cli`` process we started (not a reused pid)."""
+    """Still running, and still the ``specd.services.cli`` process we started (not a reused pid)."""
     try:
-        return b"services.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"specd.services.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -190,7 +190,7 @@ def test_dashboard_queries_return_data_from_a_live_stack(tmp_path: Path) -> None
     serve = prom_proc = None
     kids: list[int] = []
     try:
-        args = [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(gw)]
+        args = specd_command("serve", "--host", "127.0.0.1", "--port", str(gw))
         args += ["--draft-port", str(dport), "--target-port", str(tport)]
         args += ["--draft-metrics-port", str(dmetrics), "--target-metrics-port", str(tmetrics)]
         with open(serve_log, "wb") as f:

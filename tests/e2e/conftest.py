@@ -34,16 +34,16 @@ def stack(demo_pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack
 @pytest.fixture(scope="session")
 def reference_engine(demo_pair):
     """Target-only decoding in this process: what every greedy output must equal token for token."""
-    from services.engine.builder import ModelSpec, build_engine
-    from services.engine.engine import EngineConfig
+    from specd.services.engine.builder import ModelSpec, build_engine
+    from specd.services.engine.engine import EngineConfig
 
     target, _ = demo_pair
     return build_engine(ModelSpec(str(target), None, "float32", "float32"), EngineConfig(max_batch_size=8))
 
 
 def reference(engine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
-    from services.engine.engine import Request, SpecConfig
-    from services.engine.sampling import SamplingParams
+    from specd.services.engine.engine import Request, SpecConfig
+    from specd.services.engine.sampling import SamplingParams
 
     req = Request(
         "ref", tuple(prompt_ids), SamplingParams(temperature=0.0, max_tokens=max_tokens), SpecConfig("none", 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import grpc
 
-from services.common.ports import free_ports
-from services.common.process import stop_process_group
+from specd.services.common.ports import free_ports
+from specd.services.common.process import specd_command, stop_process_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +31,7 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "ab") as f:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            specd_command(*args),
             cwd=REPO,
             env=env,
             stdout=f,

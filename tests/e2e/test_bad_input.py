@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from services.common.ports import free_ports
+from specd.services.common.ports import free_ports
 from tests.e2e.processes import Stack, free_port, spawn, stop_process, wait_http_ok
 
 pytestmark = pytest.mark.demo

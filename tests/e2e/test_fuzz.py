@@ -19,8 +19,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from specd.gateway.app import create_app
+from specd.gateway.settings import GatewaySettings
 from tests.e2e.processes import metric_value
 
 pytestmark = pytest.mark.demo

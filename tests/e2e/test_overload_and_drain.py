@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.ports import free_ports
+from specd.services.common.ports import free_ports
+from specd.services.common.process import specd_command
 from tests.e2e.processes import REPO, alive, children, http_get, metric_sum, metric_value
 
 pytestmark = pytest.mark.demo
@@ -53,11 +53,11 @@ class Serve:
 def serve(tmp_path_factory) -> Iterator[Serve]:
     port, draft_port, target_port, draft_metrics, target_metrics = free_ports(5)
     log = tmp_path_factory.mktemp("overload") / "serve.log"
-    args = [sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    args = specd_command("serve", "--host", "127.0.0.1", "--port", str(port),
             "--draft-port", str(draft_port), "--target-port", str(target_port),
             "--draft-metrics-port", str(draft_metrics), "--target-metrics-port", str(target_metrics),
             "--dtype", "float32", "--max-batch-size", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING),
-            "--drain-timeout", "30"]  # fmt: skip
+            "--drain-timeout", "30")  # fmt: skip
     with open(log, "wb") as f:
         p = subprocess.Popen(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, process_group=0)
     s = Serve(p, port, target_metrics, draft_metrics, log)

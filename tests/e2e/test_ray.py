@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,8 @@ import grpc
 import httpx
 import pytest
 
-from services.common.ports import free_ports
+from specd.services.common.ports import free_ports
+from specd.services.common.process import specd_command
 from specd.v1 import common_pb2, target_pb2_grpc
 from tests.e2e.conftest import PROMPTS, reference
 from tests.e2e.processes import alive
@@ -42,7 +42,7 @@ def ray_address() -> Iterator[str]:
 
 
 def specd_ray(address: str, *args: str, timeout: float = 600) -> str:
-    cmd = [sys.executable, "-m", "services.cli", "ray", *args, "--address", address]
+    cmd = specd_command("ray", *args, "--address", address)
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.ports import free_ports
+from specd.services.common.ports import free_ports
 from tests.e2e.conftest import PROMPTS, reference
 from tests.e2e.processes import (
     http_get,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.checkpoint import SafetensorsState
-from services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint, read_llama
-from services.engine.model import BatchLayout
-from services.engine.tensor_parallel import local_shape, shard_llama_state, split_dim
+from specd.services.engine.checkpoint import SafetensorsState
+from specd.services.engine.llama import LlamaLM, load_llama, open_llama_checkpoint, read_llama
+from specd.services.engine.model import BatchLayout
+from specd.services.engine.tensor_parallel import local_shape, shard_llama_state, split_dim
 from tests.engine.test_tensor_parallel import assert_sharded_forward_matches
 from tests.tiny_models import random_hf_model
 
@@ -116,7 +116,7 @@ def test_unsupported_architecture_and_bad_splits_are_refused(tmp_path) -> None:
 def test_plain_config_reads_what_autoconfig_reads(tmp_path, monkeypatch, model_type: str) -> None:
     """config.json read without transformers (a second of cold start) gives the same shape, model
     info and RoPE frequencies as transformers' AutoConfig and GenerationConfig."""
-    from services.engine import llama
+    from specd.services.engine import llama
     from tests.tiny_models import random_hf_model
 
     extra = {"sliding_window": 64} if model_type == "mistral" else {}

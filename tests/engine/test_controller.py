@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.engine.controller import (
+from specd.services.engine.controller import (
     MODEL,
     NGRAM,
     CostModel,
@@ -205,8 +205,8 @@ def test_oracle_bound_prices_only_the_accepted_guesses() -> None:
     """The bench's oracle: rounds recovered from the per-position counters, each priced as a
     (j+1)-token pass plus j draft steps. With a flat verify and free drafting it is exactly the
     tokens per target pass; dearer verification or drafting lowers it."""
-    from benchmarks.engine_bench import oracle_speedup, rounds_by_accepted
-    from services.engine.stats import SpecStats
+    from specd.benchmarks.engine_bench import oracle_speedup, rounds_by_accepted
+    from specd.services.engine.stats import SpecStats
 
     s = SpecStats()
     for proposed, accepted in [(3, 3), (3, 0), (3, 1), (2, 2), (0, 0)]:

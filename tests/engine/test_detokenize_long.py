@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from services.engine.detokenize import Detokenizer
+from specd.services.engine.detokenize import Detokenizer
 from tests.conftest import DEMO_TARGET
 
 # Code, accented Latin, CJK and emoji: the 8k byte-level vocabulary splits the last two into

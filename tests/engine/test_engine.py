@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.builder import ModelSpec, build_engine
-from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
-from services.engine.model import VocabMismatchError
-from services.engine.sampling import SamplingParams
+from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.model import VocabMismatchError
+from specd.services.engine.sampling import SamplingParams
 
 PROMPTS = [
     "def wrap(text, width=70, **kwargs):\n",

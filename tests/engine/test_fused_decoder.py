@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.kernels import fused_decoder_class
-from services.engine.llama import load_llama
-from services.engine.model import BatchLayout
+from specd.services.engine.kernels import fused_decoder_class
+from specd.services.engine.llama import load_llama
+from specd.services.engine.model import BatchLayout
 from tests.tiny_models import random_hf_model
 
 pytestmark = pytest.mark.skipif(fused_decoder_class() is None, reason="the AVX2 kernels are unavailable here")
@@ -102,10 +102,10 @@ def test_out_of_vocabulary_ids_are_refused_not_read() -> None:
 
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_bf16_greedy_speculation_is_token_identical_to_the_target_alone(tiny_pair, quantize: str | None) -> None:
-    from services.engine.builder import ModelSpec, build_engine
-    from services.engine.chat import encode_text
-    from services.engine.engine import EngineConfig, Request, SpecConfig
-    from services.engine.sampling import SamplingParams
+    from specd.services.engine.builder import ModelSpec, build_engine
+    from specd.services.engine.chat import encode_text
+    from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+    from specd.services.engine.sampling import SamplingParams
 
     target, draft = tiny_pair
     engine = build_engine(

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels import _cpu_has_avx2_fma, bf16_linear
+from specd.services.engine.kernels import _cpu_has_avx2_fma, bf16_linear
 
 pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="needs an x86 CPU with AVX2 and FMA")
 
@@ -58,7 +58,7 @@ def test_leading_dimensions_and_float32_inputs(op) -> None:
 
 def test_a_bf16_model_uses_it_by_default() -> None:
     """Where the kernels build, bf16 runs on them (and the fused forward) even if oneDNN could pack."""
-    from services.engine.llama import load_llama
+    from specd.services.engine.llama import load_llama
     from tests.tiny_models import random_hf_model
 
     ours = load_llama(random_hf_model("llama", hidden_size=64, num_attention_heads=4), torch.bfloat16, "cpu", None)
@@ -66,8 +66,8 @@ def test_a_bf16_model_uses_it_by_default() -> None:
 
 
 def test_int8_matches_its_dequantized_weights_and_is_batch_invariant() -> None:
-    from services.engine.kernels import int8_linear
-    from services.engine.llama import quantize_int8, quantize_int8_reference
+    from specd.services.engine.kernels import int8_linear
+    from specd.services.engine.llama import quantize_int8, quantize_int8_reference
 
     op = int8_linear()
     assert op is not None
@@ -94,10 +94,10 @@ def test_an_int8_draft_leaves_greedy_output_identical(demo_pair) -> None:
     """Exactness depends only on the target: the int8 draft changes guesses, never the output
     (a float32 target on the per-op forward; bf16 targets on the fused forward are covered in
     tests/engine/test_fused_decoder.py)."""
-    from services.engine.builder import ModelSpec, build_engine
-    from services.engine.chat import encode_text
-    from services.engine.engine import EngineConfig, Request, SpecConfig
-    from services.engine.sampling import SamplingParams
+    from specd.services.engine.builder import ModelSpec, build_engine
+    from specd.services.engine.chat import encode_text
+    from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+    from specd.services.engine.sampling import SamplingParams
 
     target, draft = demo_pair
     engine = build_engine(
@@ -136,8 +136,8 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 # and a short one of three groups.
 @pytest.mark.parametrize("k", [160, 256, 608])
 def test_int4_matches_its_dequantized_weights_and_is_batch_invariant(k: int) -> None:
-    from services.engine.kernels import int4_linear
-    from services.engine.llama import dequantize_int4, int4_row_bytes, quantize_int4, quantize_int4_reference
+    from specd.services.engine.kernels import int4_linear
+    from specd.services.engine.llama import dequantize_int4, int4_row_bytes, quantize_int4, quantize_int4_reference
 
     op = int4_linear()
     assert op is not None
@@ -171,7 +171,7 @@ def test_int4_matches_its_dequantized_weights_and_is_batch_invariant(k: int) -> 
 
 
 def test_int4_rejects_a_width_that_is_not_whole_groups() -> None:
-    from services.engine.llama import quantize_int4
+    from specd.services.engine.llama import quantize_int4
 
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_int4(torch.randn(8, 48))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.llama import load_llama, onednn_bf16_prepack_supported
-from services.engine.model import BatchLayout, HFCausalLM, VocabMismatchError, check_same_vocab, load_model
+from specd.services.engine.llama import load_llama, onednn_bf16_prepack_supported
+from specd.services.engine.model import BatchLayout, HFCausalLM, VocabMismatchError, check_same_vocab, load_model
 from tests.tiny_models import random_hf_model
 
 CASES = [

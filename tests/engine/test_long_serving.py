@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.builder import ModelSpec, build_engine
-from services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, EngineConfig, Request, SpecConfig
-from services.engine.kv_cache import KVCache
-from services.engine.model import BatchLayout, load_model
-from services.engine.prefill import MIN_PREFILL_CHUNK, chunk_budget, plan_chunk
-from services.engine.sampling import SamplingParams
+from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.kv_cache import KVCache
+from specd.services.engine.model import BatchLayout, load_model
+from specd.services.engine.prefill import MIN_PREFILL_CHUNK, chunk_budget, plan_chunk
+from specd.services.engine.sampling import SamplingParams
 
 TEXT = (
     "def wrap(text, width=70, **kwargs):\n    w = TextWrapper(width=width, **kwargs)\n    return w.wrap(text)\n"
@@ -156,8 +156,8 @@ def test_paged_cache_forward_equals_the_static_cache(tiny_pair) -> None:
 def test_draft_worker_prefills_in_chunks_without_errors(tiny_pair) -> None:
     """The draft service opens a long sequence and answers empty blocks (no error) until its
     prompt is prefilled, a chunk a round; then it guesses as one-shot prefill would."""
-    from services.draft.worker import DraftWorker, OpenSeq, ProposeReq
-    from services.engine.drafters import ModelDrafter
+    from specd.services.draft.worker import DraftWorker, OpenSeq, ProposeReq
+    from specd.services.engine.drafters import ModelDrafter
 
     model = load_model(str(tiny_pair[1]), torch.float32, "cpu")
     tokens = list(range(5, 125))

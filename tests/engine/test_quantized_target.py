@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.builder import ModelSpec, build_engine
-from services.engine.chat import encode_text
-from services.engine.engine import EngineConfig, Request, SpecConfig
-from services.engine.kernels import _cpu_has_avx2_fma
-from services.engine.model import BatchLayout, load_model
-from services.engine.sampling import BatchSampling, SamplingParams, processed_probs
+from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.chat import encode_text
+from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+from specd.services.engine.kernels import _cpu_has_avx2_fma
+from specd.services.engine.model import BatchLayout, load_model
+from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs
 from tests.engine.test_sampling_distribution import PROMPT, _chi2_pvalue
 
 pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the quantized kernels need AVX2, FMA and F16C")

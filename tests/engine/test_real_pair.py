@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from services.engine.builder import ModelSpec, build_engine
-from services.engine.chat import encode_chat, encode_text
-from services.engine.engine import EngineConfig, Request, SpecConfig
-from services.engine.sampling import SamplingParams
+from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.chat import encode_chat, encode_text
+from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+from specd.services.engine.sampling import SamplingParams
 
 PROMPTS_TEXT = [
     'def binary_search(items, target):\n    """Return the index of target in sorted items, or -1."""\n',

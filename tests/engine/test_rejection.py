@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from services.engine.rejection import greedy_verify, recovered_distribution, rejection_sample
+from specd.services.engine.rejection import greedy_verify, recovered_distribution, rejection_sample
 
 P = torch.tensor([0.2, 0.5, 0.3])
 Q = torch.tensor([0.6, 0.3, 0.1])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.detokenize import Detokenizer
-from services.engine.drafters import NGramDrafter
-from services.engine.sampling import BatchSampling, SamplingParams, processed_probs
+from specd.services.engine.detokenize import Detokenizer
+from specd.services.engine.drafters import NGramDrafter
+from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs
 
 
 def _reference(logits: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -106,8 +106,8 @@ def test_detokenizer_holds_incomplete_utf8() -> None:
 def test_model_drafter_asked_again_without_new_tokens_repeats_its_guesses(micro_pair) -> None:
     """Asked again with nothing accepted and nothing new committed, the drafter re-feeds the last
     committed token and guesses the same tokens (it used to fail on an empty step-0 input)."""
-    from services.engine.drafters import DraftRow, ModelDrafter
-    from services.engine.model import load_model
+    from specd.services.engine.drafters import DraftRow, ModelDrafter
+    from specd.services.engine.model import load_model
 
     drafter = ModelDrafter(load_model(str(micro_pair[1]), torch.float32, "cpu"), 2, 64)
     tokens = [3, 7, 5, 9, 2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.rejection import rejection_sample
-from services.engine.sampling import draw_seed, make_generator, round_generator, uniforms
+from specd.services.engine.rejection import rejection_sample
+from specd.services.engine.sampling import draw_seed, make_generator, round_generator, uniforms
 
 
 def test_same_seed_same_draws_whatever_the_batch() -> None:
@@ -40,9 +40,9 @@ def test_rejection_sampling_with_per_row_generators_is_batch_independent() -> No
 def test_sampled_engine_path_on_cuda(tiny_pair) -> None:
     """temperature > 0 on a GPU: drafts, verification and the remote drafter's seed draw all work,
     a seeded request repeats exactly, and a CUDA generator can feed every draw too."""
-    from services.engine.builder import ModelSpec, build_engine
-    from services.engine.engine import EngineConfig, Request, SpecConfig
-    from services.engine.sampling import SamplingParams
+    from specd.services.engine.builder import ModelSpec, build_engine
+    from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+    from specd.services.engine.sampling import SamplingParams
 
     target, draft = tiny_pair
     spec = ModelSpec(str(target), str(draft), "float32", "float32", device="cuda")

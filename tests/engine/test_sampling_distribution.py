@@ -16,11 +16,11 @@ import pytest
 import torch
 from scipy import stats
 
-import services.engine.engine as engine_mod
-from services.engine.builder import ModelSpec, build_engine
-from services.engine.engine import EngineConfig, Request, SpecConfig
-from services.engine.rejection import rejection_sample
-from services.engine.sampling import BatchSampling, SamplingParams, processed_probs
+import specd.services.engine.engine as engine_mod
+from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+from specd.services.engine.rejection import rejection_sample
+from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs
 
 PROMPT = (3, 7, 5, 9)
 N_SAMPLES = 4000

@@ -16,12 +16,12 @@ import grpc
 import pytest
 import torch
 
-from services.engine.builder import load_tokenizer
-from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
-from services.engine.llama import LlamaLM, load_llama, read_llama
-from services.engine.model import BatchLayout, load_model
-from services.engine.sampling import SamplingParams
-from services.engine.tensor_parallel import (
+from specd.services.engine.builder import load_tokenizer
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.llama import LlamaLM, load_llama, read_llama
+from specd.services.engine.model import BatchLayout, load_model
+from specd.services.engine.sampling import SamplingParams
+from specd.services.engine.tensor_parallel import (
     TensorParallelLM,
     check_tensor_parallel,
     shard_llama_state,
@@ -78,7 +78,7 @@ def test_indivisible_sizes_are_refused(tiny_pair) -> None:
 
 
 def test_rank_failing_at_start_up_is_reported(tiny_pair, monkeypatch) -> None:
-    import services.engine.tensor_parallel as tp
+    import specd.services.engine.tensor_parallel as tp
 
     def failing_rank(*args, **kwargs) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.tokenizer import FastTokenizer, load_tokenizer
+from specd.services.engine.tokenizer import FastTokenizer, load_tokenizer
 
 TEXTS = [
     "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
@@ -69,7 +69,7 @@ def test_no_transformers_import_for_encoding(demo_pair) -> None:
     import sys
 
     code = (
-        "import sys; from services.engine.tokenizer import load_tokenizer; "
+        "import sys; from specd.services.engine.tokenizer import load_tokenizer; "
         f"t = load_tokenizer({str(demo_pair[0])!r}); t.decode(t('def f(x):')['input_ids']); "
         "print('transformers' in sys.modules)"
     )
@@ -82,7 +82,7 @@ def test_a_broken_config_is_not_read_as_plain(tmp_path, tiny_pair, bad: str) -> 
     """An unreadable tokenizer_config.json leaves the folder to transformers (and its own errors)."""
     import shutil
 
-    from services.engine.tokenizer import _plain
+    from specd.services.engine.tokenizer import _plain
 
     folder = tmp_path / "broken"
     shutil.copytree(tiny_pair[0], folder)

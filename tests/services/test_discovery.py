@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from services.common import discovery
-from services.common.discovery import AddressWatcher, resolve, resolve_all, split_host_port
+from specd.services.common import discovery
+from specd.services.common.discovery import AddressWatcher, resolve, resolve_all, split_host_port
 
 
 def _fake_dns(monkeypatch: pytest.MonkeyPatch, table: dict[str, list[str]]) -> None:

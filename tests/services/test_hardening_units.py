@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.schemas import MAX_JSON_DEPTH, check_raw_json
-from services.common.drain import Drain
-from services.common.tls import TLSConfig
+from specd.gateway.schemas import MAX_JSON_DEPTH, check_raw_json
+from specd.services.common.drain import Drain
+from specd.services.common.tls import TLSConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from services.engine.builder import load_tokenizer
-from services.engine.engine import Engine, EngineConfig, Request, SpecConfig
-from services.engine.model import load_model
-from services.engine.sampling import SamplingParams
-from services.target.draft_client import DraftClientConfig, RemoteDrafter
+from specd.services.engine.builder import load_tokenizer
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.model import load_model
+from specd.services.engine.sampling import SamplingParams
+from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
 from tests.e2e.processes import free_port, spawn, stop_process, wait_grpc
 from tests.engine.test_sampling_distribution import N_SAMPLES, PROMPT, _chi2_pvalue, _exact_joint
 
@@ -183,7 +183,7 @@ def test_remote_drafter_with_per_sequence_k_that_skips_rounds(micro_pair, micro_
     would make the draft drop the sequence and the round go without guesses)."""
     import numpy as np
 
-    from services.engine.controller import MODEL, Choice, SpeculationController
+    from specd.services.engine.controller import MODEL, Choice, SpeculationController
 
     class Alternating(SpeculationController):
         """0, 1, 2, 3, 0, ... per row, shifted by row: k forced, the rest of the controller real."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from scipy import stats
 
-from services.engine.rejection import rejection_sample
-from services.engine.sparse import to_dense, to_sparse, truncate_probs
+from specd.services.engine.rejection import rejection_sample
+from specd.services.engine.sparse import to_dense, to_sparse, truncate_probs
 
 V = 10
 N = 200_000

@@ -2,7 +2,7 @@
 
 ``fused_decoder``: the whole forward of a Llama-family model in one call (``decoder.cpp``), for
 bf16 activations over bf16, int8 or int4 weights: no per-op dispatch, and batch invariant end to
-end, attention included (:class:`services.engine.llama.LlamaLM` uses it where it applies).
+end, attention included (:class:`specd.services.engine.llama.LlamaLM` uses it where it applies).
 
 ``bf16_linear``: bf16-weight linear layers on AVX2 CPUs without oneDNN's bf16 support (AMD Zen 1-3,
 Intel before AVX-512). Measured on a 2-core Zen 3 at batch 1 (``specd bench --pair``), torch's own
@@ -57,7 +57,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _build_dir() -> Path:
-    from services.model_store.fetch import cache_root
+    from specd.services.model_store.fetch import cache_root
 
     sources = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(sources + " ".join(COMPILE_FLAGS).encode() + torch.__version__.encode())
