@@ -209,7 +209,8 @@ class Linear:
 
     @classmethod
     def from_int4_records(cls, records: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        """An int4 layer from ready records (a GGUF file's Q4_K blocks, :mod:`specd.services.model_store.gguf_blocks`)."""
+        """An int4 layer from ready records (a GGUF file's Q4_K blocks,
+        :mod:`specd.services.model_store.gguf_blocks`)."""
         from specd.services.engine import kernels
 
         lin = cls.__new__(cls)
