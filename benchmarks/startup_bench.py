@@ -72,7 +72,8 @@ def run_startup_bench(cfg: StartupConfig) -> StartupResult:
     for i in range(cfg.runs):
         result.seconds.append(time_to_first_byte(generate))
         result.import_torch_seconds.append(time_to_first_byte(torch_only))
-        print(f"run {i + 1}: first token {result.seconds[-1]:.2f} s, import torch {result.import_torch_seconds[-1]:.2f} s")
+        first, torch_s = result.seconds[-1], result.import_torch_seconds[-1]
+        print(f"run {i + 1}: first token {first:.2f} s, import torch {torch_s:.2f} s")
     summary = result.summary()
     print(
         f"specd generate --pair {cfg.pair}: first token after {summary['median']} s median "
