@@ -23,12 +23,14 @@ PLAIN_CLASSES = ("Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFas
 class FastTokenizer:
     """Encode and decode with ``tokenizers``; any other attribute from the ``transformers`` tokenizer."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, for_chat: bool = False) -> None:
         from tokenizers import Tokenizer
 
         self.folder = folder
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self._hf = None
+        if for_chat:  # a server renders chat templates: load transformers now, not at the first request
+            _ = self.hf
 
     def __call__(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> dict[str, list[int]]:
         if kwargs:  # anything beyond plain encoding (padding, tensors, ...): transformers' own
@@ -79,12 +81,13 @@ def _plain(folder: Path) -> bool:
     )
 
 
-def load_tokenizer(folder_or_id: str):
+def load_tokenizer(folder_or_id: str, for_chat: bool = False):
     """A :class:`FastTokenizer` for a local folder whose tokenizer is plain ``tokenizer.json`` (see
-    :data:`PLAIN_CLASSES`), else ``transformers``' ``AutoTokenizer``."""
+    :data:`PLAIN_CLASSES`), else ``transformers``' ``AutoTokenizer``. ``for_chat``: it will render
+    chat templates, so the ``transformers`` part is loaded now rather than on first use."""
     folder = Path(folder_or_id)
     if folder.is_dir() and _plain(folder):
-        return FastTokenizer(folder)
+        return FastTokenizer(folder, for_chat)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder_or_id)

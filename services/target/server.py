@@ -270,7 +270,7 @@ def build_loop(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> tup
     from specd.services.engine.engine import EngineConfig
     from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
 
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, for_chat=True)
     spec = ModelSpec(
         target=cfg.model,
         draft=None,
