@@ -53,7 +53,7 @@ setup(
     package_dir=package_dir,
     package_data={
         "specd.models": ["demo-target/*", "demo-draft/*"],
-        "specd.services.engine.kernels": ["*.cpp"],
+        "specd.services.engine.kernels": ["*.cpp", "*.h"],
         "specd.v1": ["*.pyi"],
     },
     cmdclass={"build_py": BuildWithStubs},

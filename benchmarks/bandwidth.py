@@ -67,6 +67,8 @@ def model_bytes_per_token(model) -> int:
 
     def linear_bytes(lin) -> int:
         lin = getattr(lin, "linear", lin)  # a row-parallel wrapper
+        if hasattr(lin, "parts"):  # separate q/k/v (gate/up) weights of the fused forward
+            return sum(linear_bytes(p) for p in lin.parts)
         tensors = [lin.weight, *lin.scales, *([lin.bias] if lin.bias is not None else [])]
         return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -45,8 +45,9 @@ def _add_target_quantize_arg(p: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["none", "int8", "int4"],
         default="none",
-        help="serve the target quantized at load (weight-only; int4: groups of 32 with scale and min, "
-        "int8 head): a different, smaller model, whose output speculation keeps exactly",
+        help="serve the target quantized (weight-only; int4: Q4_K-style super-blocks, the GGUF file's own Q4_K "
+        "blocks for a model fetched or imported from one, int8 where it keeps more bits, int8 head): a "
+        "different, smaller model, whose output speculation keeps exactly",
     )
 
 
@@ -193,6 +194,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.startup:
+        from specd.benchmarks.startup_bench import StartupConfig, run_startup_bench
+
+        run_startup_bench(StartupConfig(pair=args.pair or "qwen2.5-coder", runs=args.runs, out_dir=args.out))
+        return 0
     if args.soak:
         from specd.benchmarks.soak_bench import SoakConfig, run_soak
 
@@ -580,6 +586,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="mixed traffic against specd serve for --duration s: 5xx, lost/hung streams, memory growth, leaks",
     )
+    b.add_argument(
+        "--startup",
+        action="store_true",
+        help="cold starts of specd generate --pair (default qwen2.5-coder): seconds to the first token",
+    )
+    b.add_argument("--runs", type=int, default=5, help="--startup: cold starts after the first")
     b.add_argument("--duration", type=float, default=300.0, help="--soak: seconds of traffic")
     b.add_argument("--warmup", type=float, default=None, help="--soak: seconds before the memory baseline")
     b.add_argument("--workloads", default="code", help="--serve: code (completions), prose (chat), or both")

@@ -35,12 +35,13 @@ class ModelSpec:
     target_quantize: str | None = None
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
+def load_tokenizer(path: str, for_chat: bool = False):
+    """The model's tokenizer (:mod:`specd.services.engine.tokenizer`: without importing transformers
+    where it can; ``for_chat`` loads what renders chat templates up front)."""
+    from specd.services.engine.tokenizer import load_tokenizer as load
     from specd.services.model_store.gguf_import import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+    return load(resolve_model_path(path), for_chat)
 
 
 def _same_tokenizer_file(target: str, draft: str) -> bool:

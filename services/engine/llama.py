@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +63,16 @@ INT4_GROUP = 32  # weights per (scale, min) pair; the kernel's layout depends on
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8_reference`, by the compiled kernel where it is available (the same bytes,
+    tested; the Python one took seconds of a cold start for the 0.5B draft)."""
+    from specd.services.engine import kernels
+
+    if weight.device.type == "cpu" and kernels.ensure_built():
+        return tuple(torch.ops.specd_kernels.quantize_int8(weight))
+    return quantize_int8_reference(weight)
+
+
+def quantize_int8_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric weight-only int8, one fp32 scale per output row: ``weight ~= q * scale[:, None]``."""
     # Row by row in blocks, in place: a whole-matrix float copy per step cost seconds at load.
     q = torch.empty(weight.shape, dtype=torch.int8)
@@ -72,46 +85,102 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+INT4_SUPER = 256  # weights per super-block: one fp16 (d, dmin) pair over 8 groups' uint8 (sc, m)
+
+
+def int4_row_bytes(k: int) -> int:
+    """Bytes of one int4 row record of ``k`` weights (see :func:`quantize_int4`)."""
+    return k // 2 + 2 * (k // INT4_GROUP) + 4 * -(-k // INT4_SUPER)
+
+
+def pack_int4(
+    nibbles: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+) -> torch.Tensor:
+    """The int4 kernel's row records from their parts: ``nibbles`` uint8 [N, G, 32] (0..15), ``sc`` and
+    ``m`` uint8 [N, G], ``d`` and ``dmin`` fp16 [N, S]. Groups go in pairs: byte ``j`` of the 32 of groups
+    ``2p`` and ``2p + 1`` holds weight ``j`` of the first in its low nibble and of the second in its high
+    one (Q4_K's order); an odd last group takes 16 bytes, byte ``j`` holding its weights ``j`` and ``j + 16``."""
+    n, g, _ = nibbles.shape
+    k = g * INT4_GROUP
+    out = torch.empty(n, int4_row_bytes(k), dtype=torch.uint8)
+    even = g - g % 2
+    pairs = nibbles[:, :even].reshape(n, even // 2, 2, INT4_GROUP)
+    out[:, : even * 16] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, -1)
+    if g % 2:
+        out[:, even * 16 : k // 2] = nibbles[:, -1, :16] | (nibbles[:, -1, 16:] << 4)
+    out[:, k // 2 : k // 2 + g] = sc
+    out[:, k // 2 + g : k // 2 + 2 * g] = m
+    out[:, k // 2 + 2 * g :] = torch.cat([d.half(), dmin.half()], dim=1).view(torch.uint8)
+    return out
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor]:
-    """Asymmetric weight-only int4 in groups of :data:`INT4_GROUP` along a row, as the int4 kernel
-    reads it: one uint8 record per row, [N, K / 2 + K / 8]: the K / 2 bytes of nibbles, then the
-    groups' fp16 scales, then their fp16 mins. Weight ``i`` of a group is ``nibble * scale + min``.
-    Groups go in pairs: byte ``j`` of the 32 of groups ``2p`` and ``2p + 1`` holds weight ``j`` of
-    the first in its low nibble and of the second in its high one; an odd last group takes 16 bytes,
-    byte ``j`` holding its weights ``j`` and ``j + 16``."""
+    """:func:`quantize_int4_reference`, computed by the compiled kernel where it is available (the
+    same bytes, tested; the Python one takes tens of seconds for a 1.5B model)."""
+    from specd.services.engine import kernels
+
+    if weight.shape[1] % INT4_GROUP:
+        raise ValueError(f"int4 needs a multiple of {INT4_GROUP} input features, got {weight.shape[1]}")
+    if weight.device.type == "cpu" and kernels.ensure_built():
+        return (torch.ops.specd_kernels.quantize_int4(weight),)
+    return quantize_int4_reference(weight)
+
+
+def quantize_int4_reference(weight: torch.Tensor) -> tuple[torch.Tensor]:
+    """Weight-only int4 in llama.cpp's Q4_K arrangement with 8-bit sub-scales, as the int4 kernel reads
+    it (``kernels/linear.h``): each row in super-blocks of up to 256 weights (8 groups of 32), weight
+    ``i`` of group ``g`` in super-block ``s`` being ``d[s] * sc[g] * q - dmin[s] * m[g]``, with ``q`` a
+    nibble, ``sc`` and ``m`` uint8 and ``d``, ``dmin`` fp16. Returns one uint8 record per row,
+    [N, :func:`int4_row_bytes` (K)]: nibbles (:func:`pack_int4`), sc, m, d, dmin.
+
+    Each group's range is its min (at most 0, as in Q4_K) to its max; the super-block's largest scale
+    and min set d and dmin, the group's are rounded to 8 bits against them, and the nibbles are chosen
+    against the rounded values the kernel will use."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ValueError(f"int4 needs a multiple of {INT4_GROUP} input features, got {k}")
-    g = k // INT4_GROUP
-    packed = torch.empty(n, k // 2 + 4 * g, dtype=torch.uint8)
+    g, s = k // INT4_GROUP, -(-k // INT4_SUPER)
+    per = INT4_SUPER // INT4_GROUP
+    parts = []
     for r0 in range(0, n, 2048):
         w = weight[r0 : r0 + 2048].float().view(-1, g, INT4_GROUP)
-        lo, hi = w.amin(dim=2), w.amax(dim=2)
-        # Rounded to fp16 first, so the nibbles are chosen against the scale the kernel will use.
-        s = ((hi - lo) / 15).clamp_min_(2**-24).half()
-        m = lo.half()
-        nib = (w - m.float()[..., None]).div_(s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        rows = packed[r0 : r0 + 2048]
-        pairs = nib[:, : g - g % 2].reshape(nib.shape[0], g // 2, 2, INT4_GROUP)
-        rows[:, : (g - g % 2) * 16] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(nib.shape[0], -1)
-        if g % 2:
-            rows[:, (g - 1) * 16 : k // 2] = nib[:, -1, :16] | (nib[:, -1, 16:] << 4)
-        rows[:, k // 2 :] = torch.cat([s, m], dim=1).view(torch.uint8)
-    return (packed,)
+        lo = w.amin(dim=2).clamp_max(0.0)
+        scale = (w.amax(dim=2) - lo) / 15
+        neg_min = 0.0 - lo  # +0.0 where lo is 0 (a -0.0 would reach the fp16 dmin)
+
+        def super_max(v: torch.Tensor) -> torch.Tensor:  # [rows, G] -> [rows, S]
+            padded = torch.zeros(v.shape[0], s * per)
+            padded[:, :g] = v
+            return padded.view(v.shape[0], s, per).amax(dim=2)
+
+        d = (super_max(scale) / 255).half()
+        dmin = (super_max(neg_min) / 255).half()
+        d_g = d.float().repeat_interleave(per, dim=1)[:, :g]
+        dmin_g = dmin.float().repeat_interleave(per, dim=1)[:, :g]
+        sc = torch.where(d_g > 0, scale / d_g, torch.zeros_like(scale)).round_().clamp_(0, 255)
+        m = torch.where(dmin_g > 0, neg_min / dmin_g, torch.zeros_like(neg_min)).round_().clamp_(0, 255)
+        step, offset = (d_g * sc)[..., None], (dmin_g * m)[..., None]
+        q = torch.where(step > 0, (w + offset) / step, torch.zeros_like(w)).round_().clamp_(0, 15)
+        parts.append(pack_int4(q.to(torch.uint8), sc.to(torch.uint8), m.to(torch.uint8), d, dmin))
+    return (torch.cat(parts),)
 
 
-def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The fp32 weights an int4 layer stands for (for tests and quality checks)."""
-    n, k = packed.shape[0], packed.shape[1] * 8 // 5
-    g = k // INT4_GROUP
-    pairs = packed[:, : (g - g % 2) * 16].reshape(n, g // 2, 1, INT4_GROUP)
-    nib = torch.cat([pairs & 15, pairs >> 4], dim=2).reshape(n, g - g % 2, INT4_GROUP)
+def dequantize_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The fp32 weights [N, k] an int4 layer stands for (for tests, quality checks and GGUF imports)."""
+    n, g, s = packed.shape[0], k // INT4_GROUP, -(-k // INT4_SUPER)
+    per = INT4_SUPER // INT4_GROUP
+    even = g - g % 2
+    pairs = packed[:, : even * 16].reshape(n, even // 2, 1, INT4_GROUP)
+    nib = torch.cat([pairs & 15, pairs >> 4], dim=2).reshape(n, even, INT4_GROUP)
     if g % 2:
-        last = packed[:, (g - 1) * 16 : k // 2]
+        last = packed[:, even * 16 : k // 2]
         nib = torch.cat([nib, torch.cat([last & 15, last >> 4], dim=1)[:, None]], dim=1)
-    nib = nib.float()
-    sm = packed[:, k // 2 :].contiguous().view(torch.float16).float()
-    return (nib * sm[:, :g, None] + sm[:, g:, None]).reshape(n, k)
+    sc = packed[:, k // 2 : k // 2 + g].float()
+    m = packed[:, k // 2 + g : k // 2 + 2 * g].float()
+    dd = packed[:, k // 2 + 2 * g :].contiguous().view(torch.float16).float()
+    d = dd[:, :s].repeat_interleave(per, dim=1)[:, :g]
+    dmin = dd[:, s:].repeat_interleave(per, dim=1)[:, :g]
+    return (nib.float() * (d * sc)[..., None] - (dmin * m)[..., None]).reshape(n, k)
 
 
 class Linear:
@@ -138,6 +207,19 @@ class Linear:
             self.scales = tuple(scales)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
 
+    @classmethod
+    def from_int4_records(cls, records: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """An int4 layer from ready records (a GGUF file's Q4_K blocks,
+        :mod:`specd.services.model_store.gguf_blocks`)."""
+        from specd.services.engine import kernels
+
+        lin = cls.__new__(cls)
+        lin.bias, lin.scales, lin.prepacked, lin.weight = bias, (), False, records
+        lin.kernel = kernels.int4_linear()
+        if lin.kernel is None:
+            raise ValueError("int4 weights need the AVX2 kernels, which are unavailable on this machine")
+        return lin
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -146,6 +228,22 @@ class Linear:
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class LinearParts:
+    """Linear layers whose outputs are concatenated: a layer's q, k and v projections (or gate and up)
+    kept as separate weights for the fused forward, each in its own format (a GGUF file's Q4_K q and
+    k beside its Q6_K v, say). Called directly (the per-op path's tests) it concatenates outputs."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.weight.shape[0] for p in self.parts)
 
 
 class RowParallelLinear:
@@ -163,10 +261,10 @@ class RowParallelLinear:
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    qkv: Linear
+    qkv: Linear | LinearParts
     o: Linear | RowParallelLinear
     mlp_norm: torch.Tensor
-    gate_up: Linear
+    gate_up: Linear | LinearParts
     down: Linear | RowParallelLinear
 
 
@@ -205,21 +303,29 @@ class LlamaLM:
         prepack: bool | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         quantize: str | None = None,
+        int4_records: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """``int4_records``: under ``quantize="int4"``, ready int4 records by weight name (a GGUF file's
+        Q4_K tensors, :func:`specd.services.model_store.gguf_blocks.read_q4k_linears`) used as they are."""
         self.shape = shape
         self.info = info
         self.dtype = dtype
         self.device = torch.device(device)
-        if prepack is None:
-            # oneDNN packing pays off for bf16 on CPU; fp32 stays on plain matmuls so identity tests
-            # compare against transformers with the same kernels.
-            prepack = self.device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16_prepack_supported()
-        self.prepacked = prepack
         kernel = None
-        if not prepack and self.device.type == "cpu" and dtype == torch.bfloat16:
+        if prepack is not True and self.device.type == "cpu" and dtype == torch.bfloat16:
             from specd.services.engine.kernels import bf16_linear
 
-            kernel = bf16_linear()  # None where it does not apply: torch's matmul then
+            kernel = bf16_linear()  # None where it does not apply
+        if prepack is None:
+            # bf16 on a CPU: our AVX2 kernels and the fused forward wherever they build (batch invariant
+            # end to end, so bf16 speculation is exact against the same model alone; oneDNN's packed
+            # matmul and bf16 attention are not), else oneDNN's packing where the CPU has it. fp32 stays
+            # on plain matmuls so identity tests compare against transformers with the same kernels.
+            prepack = kernel is None and self.device.type == "cpu" and dtype == torch.bfloat16
+            prepack = prepack and onednn_bf16_prepack_supported()
+        if prepack:
+            kernel = None
+        self.prepacked = prepack
         if quantize is not None and (quantize not in QUANTIZE_MODES or self.device.type != "cpu"):
             raise ValueError(f"weight quantization {quantize!r} is not available on {self.device.type}")
         self.kernel_name = "onednn-prepacked" if prepack else ("specd-avx2-bf16" if kernel else "torch")
@@ -241,11 +347,29 @@ class LlamaLM:
                 [p if p is not None else torch.zeros(s, dtype=dtype, device=self.device) for p, s in zip(parts, sizes)]
             )
 
+        records = int4_records or {}
+        # The fused forward takes a layer's q/k/v (and gate/up) as separate parts: no concatenated copy
+        # of the weights at load, which stay views of the checkpoint's memory map.
+        fusable = self._fusable(kernel, quantize, reduce)
+
+        def linear(names: list[str], bias: torch.Tensor | None) -> Linear | LinearParts:
+            """One linear layer over the row-concatenated weights ``names`` (``bias``: theirs,
+            concatenated). Under int4 from a GGUF file's own Q4_K blocks where they are Q4_K there,
+            and int8 where the file keeps them at more bits (Q4_K_M's Q6_K tensors)."""
+            if fusable and len(names) > 1:
+                return LinearParts([linear([n], opt(n.removesuffix(".weight") + ".bias")) for n in names])
+            mode = quantize
+            if mode == "int4" and records:
+                if all(n in records for n in names):
+                    return Linear.from_int4_records(torch.cat([records[n] for n in names]), bias)
+                mode = "int8"
+            weight = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            return Linear(weight, bias, prepack, kernel, mode)
+
         def row_linear(prefix: str) -> Linear | RowParallelLinear:
             if reduce is None:
-                return Linear(w(prefix + ".weight"), opt(prefix + ".bias"), prepack, kernel, quantize)
-            lin = Linear(w(prefix + ".weight"), None, prepack, kernel, quantize)
-            return RowParallelLinear(lin, opt(prefix + ".bias"), reduce)
+                return linear([prefix + ".weight"], opt(prefix + ".bias"))
+            return RowParallelLinear(linear([prefix + ".weight"], None), opt(prefix + ".bias"), reduce)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -260,26 +384,77 @@ class LlamaLM:
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_w = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])
-            qkv_b = cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
-            gu_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            qkv_b = None if fusable else cat_opt([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+            gu_b = None if fusable else cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b, prepack, kernel, quantize),
+                    qkv=linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], qkv_b),
                     o=row_linear(a + "o_proj"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        gu_w, cat_opt([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]), prepack, kernel, quantize
-                    ),
+                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gu_b),
                     down=row_linear(p + "mlp.down_proj"),
                 )
             )
+        self.fused = self._fused_decoder(inv_freq, attention_scaling) if fusable else None
+        self.forward_path = "fused" if self.fused is not None else "per-op"
         pos = torch.arange(shape.max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * attention_scaling).to(device=self.device, dtype=dtype)  # [P, D]
         self.sin = (emb.sin() * attention_scaling).to(device=self.device, dtype=dtype)
+
+    def _fusable(self, kernel, quantize: str | None, reduce) -> bool:
+        """Whether the whole forward can run in one C++ call (``kernels/decoder.cpp``): on a CPU, bf16,
+        every linear layer on our AVX2 kernels (not oneDNN's prepacked path), no tensor parallelism."""
+        s = self.shape
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or reduce is not None:
+            return False
+        if (kernel is None and quantize is None) or s.head_dim % 16 or s.hidden_size % 8:
+            return False
+        from specd.services.engine.kernels import fused_decoder_class
+
+        return fused_decoder_class() is not None
+
+    def _fused_decoder(self, inv_freq: torch.Tensor, attention_scaling: float):
+        """The fused forward, over the same weight tensors as the per-op path (no extra memory)."""
+        from specd.services.engine.kernels import fused_decoder_class
+
+        s = self.shape
+        empty = torch.empty(0)
+        tensors: list[torch.Tensor] = [self.embed, self.norm, inv_freq.float()]
+        parts_per_linear: list[int] = []
+
+        def add(lin: Linear | LinearParts) -> None:
+            parts = lin.parts if isinstance(lin, LinearParts) else [lin]
+            parts_per_linear.append(len(parts))
+            for part in parts:
+                scale = part.scales[0] if part.scales and part.weight.dtype == torch.int8 else empty
+                bias = empty if part.bias is None else part.bias.float().contiguous()
+                tensors.extend([part.weight, scale, bias])
+
+        add(self.lm_head)
+        for ly in self.layers:
+            tensors += [ly.attn_norm, ly.mlp_norm]
+            for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                add(lin)
+        dims = [s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim]
+        return fused_decoder_class()(tensors, parts_per_linear, dims, s.rms_eps, float(attention_scaling))
+
+    def _fused_forward(
+        self, input_ids: torch.Tensor, cache: KVCache | PagedKVCache, layout: BatchLayout, logits_for: str
+    ) -> torch.Tensor | None:
+        s = self.shape
+        if isinstance(cache, PagedKVCache):
+            table, block_size, k, v = layout.table, layout.block_size, cache.k, cache.v
+        else:  # a static slot cache is a paged one with one block per slot
+            block_size = cache.k.shape[2]
+            table = torch.tensor(layout.slots, dtype=torch.long)[:, None]
+            k = cache.k.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+            v = cache.v.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
+        starts = torch.tensor(layout.starts, dtype=torch.long)
+        mode = {"none": 0, "last": 1, "all": 2}[logits_for]
+        return self.fused.forward(input_ids, starts, table, block_size, k, v, mode)
 
     # ------------------------------------------------------------------------------ cache
 
@@ -324,6 +499,8 @@ class LlamaLM:
 
         ``logits_for``: "all" -> [B, T, V] float32, "last" -> [B, 1, V], "none" -> None (prefill).
         """
+        if self.fused is not None:
+            return self._fused_forward(input_ids, cache, layout, logits_for)
         s = self.shape
         B, T = input_ids.shape
         H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
@@ -457,27 +634,66 @@ def _rotary_embedding(cfg) -> torch.nn.Module:
 def open_llama_checkpoint(name_or_path: str) -> LlamaCheckpoint | None:
     """A lazy checkpoint over the model's safetensors files (local dir or hub id), without loading
     any weight yet; None when there are no safetensors files to read (load through transformers)."""
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, GenerationConfig
-
     from specd.services.engine.checkpoint import SafetensorsState, local_checkpoint_dir, safetensors_files
 
     directory = local_checkpoint_dir(name_or_path)
     files = safetensors_files(directory) if directory is not None else None
     if files is None:
         return None
-    cfg = AutoConfig.from_pretrained(directory)
+    cfg, generation = plain_config(directory), None
+    if cfg is not None and _default_rope(cfg) is not None:
+        generation = _json_or_none(directory / "generation_config.json")
+        generation = SimpleNamespace(**generation) if generation is not None else None
+    else:
+        from transformers import AutoConfig, GenerationConfig
+
+        cfg = AutoConfig.from_pretrained(directory)
+        try:
+            generation = GenerationConfig.from_pretrained(directory)
+        except OSError:  # no generation_config.json
+            generation = None
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"no own forward for model_type {cfg.model_type!r}")
-    try:
-        generation = GenerationConfig.from_pretrained(directory)
-    except OSError:  # no generation_config.json
-        generation = None
     shape, info = _shape_and_info(cfg, eos_ids_of(SimpleNamespace(config=cfg, generation_config=generation)))
     info = dataclasses.replace(info, name=name_or_path)
     inv_freq, attention_scaling = _rope(cfg)
     return LlamaCheckpoint(shape, SafetensorsState(files), inv_freq, attention_scaling, info)
+
+
+# What the own forward reads from config.json; a file that names all of them (and plain RoPE) is read
+# without transformers, whose config classes cost a second of a cold start to import.
+_PLAIN_CONFIG_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def plain_config(directory: str | Path) -> SimpleNamespace | None:
+    """A Llama-family folder's config.json as attributes, when it holds every field the own forward
+    reads (``num_key_value_heads`` and ``head_dim`` default as in transformers); else None, and the
+    caller uses transformers' ``AutoConfig``."""
+    raw = _json_or_none(Path(directory) / "config.json")
+    if raw is None or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return None
+    if any(k not in raw for k in _PLAIN_CONFIG_KEYS):
+        return None
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        return None
+    raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+    raw["_name_or_path"] = str(directory)
+    return SimpleNamespace(**raw)
 
 
 def load_llama(

@@ -14,6 +14,7 @@ builds the :class:`BatchLayout` its forward needs. Two implementations:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,22 +44,32 @@ class VocabMismatchError(ValueError):
 class BatchLayout:
     """Where each row of a batch lives in the cache: slot, first position, and the attention mask.
 
-    Built once per forward (host lists in, small tensors out) and shared by all layers.
+    Built once per forward (host lists in, small tensors out) and shared by all layers. The tensors
+    are made when first asked for: the fused CPU forward reads only the host lists.
     """
 
     def __init__(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu") -> None:
-        self.slots, self.starts, self.T = slots, starts, T
-        B = len(slots)
-        start_t = torch.tensor(starts, dtype=torch.long, device=device)
-        self.positions = start_t[:, None] + torch.arange(T, device=device)[None, :]  # [B, T]
+        self.slots, self.starts, self.T, self.device = slots, starts, T, device
         self.S = max(starts) + T  # keys attended: the cache prefix up to the furthest row
-        self._contiguous = slots == list(range(slots[0], slots[0] + B))
-        self._slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        if B == 1 and T == 1:
-            self.mask: torch.Tensor | None = None  # one query sees the whole prefix
-        else:
-            keys = torch.arange(self.S, device=device)
-            self.mask = keys[None, None, None, :] <= self.positions[:, None, :, None]  # [B, 1, T, S]
+        self._contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """[B, T]: each row's positions."""
+        start_t = torch.tensor(self.starts, dtype=torch.long, device=self.device)
+        return start_t[:, None] + torch.arange(self.T, device=self.device)[None, :]
+
+    @functools.cached_property
+    def _slot_t(self) -> torch.Tensor:
+        return torch.tensor(self.slots, dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, T, S]: which cached keys each query sees (None: one query sees the whole prefix)."""
+        if len(self.slots) == 1 and self.T == 1:
+            return None
+        keys = torch.arange(self.S, device=self.device)
+        return keys[None, None, None, :] <= self.positions[:, None, :, None]
 
     def write(self, cache_layer: torch.Tensor, x: torch.Tensor) -> None:
         """Store x [B, T, Hkv, D] into cache_layer [slots, L, Hkv, D] at each row's positions."""
@@ -97,19 +108,26 @@ class PagedLayout(BatchLayout):
     ) -> None:
         super().__init__(slots, starts, T, device)
         self.table, self.block_size = table, block_size
-        B, bs = len(slots), block_size
-        nb = -(-self.S // bs)
-        self._base: int | None = None
-        if B == 1:
-            row = table[0, :nb]
+
+    @functools.cached_property
+    def _base(self) -> int | None:
+        """The pool row of position 0 when one sequence's blocks are consecutive (read as a view)."""
+        nb = -(-self.S // self.block_size)
+        if len(self.slots) == 1:
+            row = self.table[0, :nb]
             first = int(row[0])
             if nb == 1 or bool((row == torch.arange(first, first + nb)).all()):
-                self._base = first * bs
-        if self._base is None:
-            tab = table[:, :nb].to(device)
-            idx = (tab[:, :, None] * bs + torch.arange(bs, device=device)).view(B, nb * bs)[:, : self.S]
-            self._read_idx = idx.reshape(-1)
-            self._write_idx = idx.gather(1, self.positions).reshape(-1)
+                return first * self.block_size
+        return None
+
+    @functools.cached_property
+    def _gather_idx(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(read, write) pool rows of the S attended positions of every row and of the T new ones."""
+        B, bs = len(self.slots), self.block_size
+        nb = -(-self.S // bs)
+        tab = self.table[:, :nb].to(self.device)
+        idx = (tab[:, :, None] * bs + torch.arange(bs, device=self.device)).view(B, nb * bs)[:, : self.S]
+        return idx.reshape(-1), idx.gather(1, self.positions).reshape(-1)
 
     def write(self, cache_layer: torch.Tensor, x: torch.Tensor) -> None:
         """Store x [B, T, Hkv, D] into the pool layer [rows, Hkv, D] at each row's positions."""
@@ -117,14 +135,14 @@ class PagedLayout(BatchLayout):
             s0 = self._base + self.starts[0]
             cache_layer[s0 : s0 + self.T] = x[0]
         else:
-            cache_layer.index_copy_(0, self._write_idx, x.reshape(-1, *x.shape[2:]))
+            cache_layer.index_copy_(0, self._gather_idx[1], x.reshape(-1, *x.shape[2:]))
 
     def read(self, cache_layer: torch.Tensor) -> torch.Tensor:
         """The first S positions of each row, [B, S, Hkv, D]."""
         if self._base is not None:
             return cache_layer[self._base : self._base + self.S].unsqueeze(0)
         B = len(self.slots)
-        return cache_layer.index_select(0, self._read_idx).view(B, self.S, *cache_layer.shape[1:])
+        return cache_layer.index_select(0, self._gather_idx[0]).view(B, self.S, *cache_layer.shape[1:])
 
 
 class CausalLM(Protocol):
@@ -247,8 +265,23 @@ def _own_llama(
     c = open_llama_checkpoint(name_or_path)
     if c is None:
         return load_llama(_load_hf(name_or_path), dtype, device, prepack=None, quantize=quantize)
+    records = None
+    if quantize == "int4" and torch.device(device).type == "cpu":
+        from specd.services.model_store.gguf_blocks import gguf_source, read_q4k_linears
+
+        source = gguf_source(name_or_path)  # a model converted from a GGUF file: serve its own Q4_K blocks
+        records = read_q4k_linears(source) if source is not None else None
     return LlamaLM(
-        c.shape, c.state, c.inv_freq, c.attention_scaling, c.info, dtype, device, prepack=None, quantize=quantize
+        c.shape,
+        c.state,
+        c.inv_freq,
+        c.attention_scaling,
+        c.info,
+        dtype,
+        device,
+        prepack=None,
+        quantize=quantize,
+        int4_records=records,
     )
 
 
@@ -289,9 +322,15 @@ def load_model(
     auto = quantize == "auto"
     quantize = default_draft_quantize(device) if auto else quantize
     if backend != "transformers":
-        from transformers import AutoConfig
+        from specd.services.engine.llama import plain_config
 
-        model_type = AutoConfig.from_pretrained(name_or_path).model_type
+        plain = plain_config(name_or_path)
+        if plain is not None:
+            model_type = plain.model_type
+        else:
+            from transformers import AutoConfig
+
+            model_type = AutoConfig.from_pretrained(name_or_path).model_type
         builder = BACKENDS.get(model_type)
         if builder is not None:
             return builder(name_or_path, dtype, device, quantize) if quantize else builder(name_or_path, dtype, device)

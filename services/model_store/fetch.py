@@ -280,7 +280,12 @@ def convert_once(gguf_file: Path, dest: Path, source_key: str, convert: Converte
         convert(gguf_file, tmp)
         for f in tmp.iterdir():
             f.chmod(0o644)  # save_pretrained leaves some files private
-        stamp = {"version": STAMP_VERSION, "source_sha256": source_key, "files": _folder_files(tmp)}
+        stamp = {
+            "version": STAMP_VERSION,
+            "source_sha256": source_key,
+            "source_path": str(gguf_file.resolve()),  # its quantized blocks: services/model_store/gguf_blocks.py
+            "files": _folder_files(tmp),
+        }
         (tmp / STAMP).write_text(json.dumps(stamp, indent=1))
         if _complete(dest, source_key):  # another process finished the same conversion meanwhile
             return dest

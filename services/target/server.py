@@ -96,7 +96,7 @@ def load_engine(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> En
     from specd.services.engine.builder import ModelSpec, load_target, load_tokenizer
     from specd.services.engine.engine import EngineConfig
 
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, for_chat=True)
     spec = ModelSpec(
         target=cfg.model,
         draft=None,

@@ -110,3 +110,23 @@ def test_unsupported_architecture_and_bad_splits_are_refused(tmp_path) -> None:
         SafetensorsState(files, split_dim, 0, 3)["model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match="outside a world"):
         SafetensorsState(files, split_dim, 2, 2)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_plain_config_reads_what_autoconfig_reads(tmp_path, monkeypatch, model_type: str) -> None:
+    """config.json read without transformers (a second of cold start) gives the same shape, model
+    info and RoPE frequencies as transformers' AutoConfig and GenerationConfig."""
+    from specd.services.engine import llama
+    from tests.tiny_models import random_hf_model
+
+    extra = {"sliding_window": 64} if model_type == "mistral" else {}
+    hf = random_hf_model(model_type, num_key_value_heads=2, **extra)
+    hf.generation_config.eos_token_id = [5, 7]
+    hf.save_pretrained(tmp_path)
+    assert llama.plain_config(tmp_path) is not None
+    plain = llama.open_llama_checkpoint(str(tmp_path))
+    monkeypatch.setattr(llama, "plain_config", lambda directory: None)
+    auto = llama.open_llama_checkpoint(str(tmp_path))
+    assert plain.shape == auto.shape and plain.info == auto.info
+    assert torch.equal(plain.inv_freq, auto.inv_freq) and plain.attention_scaling == auto.attention_scaling
+    assert plain.info.eos_token_ids[:2] == (5, 7)

@@ -1,10 +1,14 @@
 """CPU kernels of our own, compiled on first use, for where PyTorch's are slow.
 
+``fused_decoder``: the whole forward of a Llama-family model in one call (``decoder.cpp``), for
+bf16 activations over bf16, int8 or int4 weights: no per-op dispatch, and batch invariant end to
+end, attention included (:class:`specd.services.engine.llama.LlamaLM` uses it where it applies).
+
 ``bf16_linear``: bf16-weight linear layers on AVX2 CPUs without oneDNN's bf16 support (AMD Zen 1-3,
 Intel before AVX-512). Measured on a 2-core Zen 3 at batch 1 (``specd bench --pair``), torch's own
 bf16 matmul there streams weights at about half the machine's read bandwidth and costs k+1 times as
 much to verify k+1 tokens as to decode one, which leaves speculation nothing to win. The kernel
-(``linear_avx2.cpp``) streams each weight row once per block of up to 7 rows and is batch
+(``linear.h``, ops in ``linear_ops.cpp``) streams each weight row once per block of up to 7 rows and is batch
 invariant, so verification is exact against one-token decoding.
 
 ``int8_linear``: the same kernel over weight-only int8 with one scale per output row, half the bytes
@@ -31,9 +35,16 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("linear_avx2.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "linear_ops.cpp", HERE / "decoder.cpp")
+HEADERS = (HERE / "linear.h",)
 # SPECD_BF16_KERNEL=0 keeps torch's matmul (for A/B runs and as an escape hatch).
 ENV_SWITCH = "SPECD_BF16_KERNEL"
+FUSED_SWITCH = "SPECD_FUSED"
+# -ffp-contract=off: the compiler may not fuse a*b+c into one FMA on its own. It would do so in some
+# template instantiations (rows per block) and not others, and the rows' results would then differ
+# in the last bit with the batch size; every FMA the kernels use is written out.
+COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -48,7 +59,9 @@ def _cpu_has_avx2_fma() -> bool:
 def _build_dir() -> Path:
     from specd.services.model_store.fetch import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    sources = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(sources + " ".join(COMPILE_FLAGS).encode() + torch.__version__.encode())
+    digest = digest.hexdigest()[:12]
     return cache_root() / "torch_extensions" / f"specd_kernels-{digest}"
 
 
@@ -80,8 +93,8 @@ def ensure_built() -> bool:
             print("specd: compiling the AVX2 linear kernels (once, about 30 s)", file=sys.stderr, flush=True)
             cpp_extension.load(
                 name="specd_kernels",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=COMPILE_FLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
                 is_python_module=False,
@@ -98,3 +111,11 @@ def ensure_built() -> bool:
 def int4_linear() -> Callable[..., torch.Tensor] | None:
     """The compiled ``specd_kernels::int4_linear(x, packed, bias)`` op, or None where it does not apply."""
     return torch.ops.specd_kernels.int4_linear if ensure_built() else None
+
+
+def fused_decoder_class():
+    """``torch.classes.specd_kernels.FusedDecoder`` (see ``decoder.cpp``), or None where it does not apply
+    (no AVX2 kernels, or ``SPECD_FUSED=0``, which keeps the per-op forward for A/B runs)."""
+    if os.environ.get(FUSED_SWITCH, "1") == "0" or not ensure_built():
+        return None
+    return torch.classes.specd_kernels.FusedDecoder

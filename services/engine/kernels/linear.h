@@ -1,0 +1,478 @@
+// Linear layers y = x W^T + b over raw pointers, for bf16, weight-only int8 and int4 weights on AVX2
+// CPUs, shared by the torch ops (linear_ops.cpp) and the fused decoder forward (decoder.cpp).
+//
+// Decoding reads every weight once per step, so each kernel is built around that stream: a weight row
+// is read once per block of input rows, and the input rows' dot products are accumulated from it.
+//
+// Batch invariance, which lossless speculation relies on: row m's result depends only on x[m] and W,
+// never on how many rows are in the batch or how the work is split over threads. Every output element
+// is accumulated in the same fixed order whatever the block it falls in, so verifying k+1 tokens gives
+// bit for bit the outputs of decoding them one at a time.
+#pragma once
+
+#ifndef SPECD_KERNEL_BENCH  // a standalone micro-benchmark supplies its own at::parallel_for
+#include <ATen/Parallel.h>
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace specd {
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept a quiet NaN).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 s = _mm_add_ps(lo, hi);           // 4 lanes
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));  // 2
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));   // 1
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// ------------------------------------------------------------------------------- bf16 and int8
+// How each format turns kStep consecutive weights of row n, from column k, into fp32 vectors
+// (widen), one weight into a float (scalar, for the K % kStep tail), and a finished dot product into
+// the output (finish: a per-row scale). bytes_per_row sizes the L2 tiles.
+
+// bf16: one 32-byte load, each half-word moved to the top of a 32-bit lane by interleaving with zeros
+// (two instructions for 16 weights); unpack works within 128-bit lanes, so the vectors hold weights
+// [0-3, 8-11] and [4-7, 12-15], and x is laid out in that order once per call (permute_rows_bf16).
+struct Bf16Rows {
+  static constexpr bool kPermuteX = true;
+  static constexpr int kStep = 16;
+  const uint16_t* w;
+  int64_t K;
+  int64_t bytes_per_row() const { return 2 * K; }
+  void widen(int64_t n, int64_t k, __m256* wv) const {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
+    const __m256i z = _mm256_setzero_si256();
+    wv[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    wv[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  }
+  float scalar(int64_t n, int64_t k) const { return bf16_to_float(w[n * K + k]); }
+  float finish(int64_t, float s) const { return s; }
+};
+
+constexpr int64_t kMaxRows = 7;  // 14 accumulators + 1 weight register: the 16 ymm registers
+
+// Rows [0, R) of x (fp32, row stride K) against weight rows [n0, n1); out is fp32 with row stride ldo.
+// NR weight rows at a time: with few input rows, the FMA chains of one weight row alone are too few to
+// hide their latency, so weight rows are interleaved (each row's own accumulation order unchanged).
+template <typename C, int R, int NR>
+void block(const float* x, const C& c, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int V = C::kStep / 8;  // weight vectors per step; even ones go to a0, odd ones to a1
+  const int64_t K = c.K, K16 = K - K % C::kStep;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    __m256 a0[NR][R], a1[NR][R];
+    for (int j = 0; j < NR; ++j)
+      for (int r = 0; r < R; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K16; k += C::kStep) {
+      for (int j = 0; j < NR; ++j) {
+        __m256 wv[V];
+        c.widen(n + j, k, wv);
+        for (int v = 0; v < V; v += 2) {
+          for (int r = 0; r < R; ++r)
+            a0[j][r] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + r * K + k + 8 * v), a0[j][r]);
+          for (int r = 0; r < R; ++r)
+            a1[j][r] = _mm256_fmadd_ps(wv[v + 1], _mm256_loadu_ps(x + r * K + k + 8 * v + 8), a1[j][r]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      for (int r = 0; r < R; ++r) {
+        float s = hsum(_mm256_add_ps(a0[j][r], a1[j][r]));
+        for (int64_t k = K16; k < K; ++k) s += c.scalar(n + j, k) * x[r * K + k];
+        s = c.finish(n + j, s);
+        out[r * ldo + n + j] = bias ? s + bias[n + j] : s;
+      }
+    }
+  }
+  if (n < n1) block<C, R, 1>(x, c, bias, out, ldo, n, n1);  // the odd row: same arithmetic per row
+}
+
+template <typename C>
+using BlockFn = void (*)(const float*, const C&, const float*, float*, int64_t, int64_t, int64_t);
+
+template <typename C>
+constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 1>, block<C, 2, 2>, block<C, 3, 2>,
+                                              block<C, 4, 1>, block<C, 5, 1>, block<C, 6, 1>, block<C, 7, 1>};
+
+// x [M, K] fp32 -> each 16-wide chunk reordered to [0-3, 8-11, 4-7, 12-15], as Bf16Rows::widen reads bf16.
+inline void permute_rows_bf16(const float* x, float* out, int64_t M, int64_t K) {
+  const int64_t K16 = K - K % 16;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* s = x + m * K;
+    float* d = out + m * K;
+    for (int64_t k = 0; k < K16; k += 16) {
+      std::memcpy(d + k, s + k, 16);
+      std::memcpy(d + k + 4, s + k + 8, 16);
+      std::memcpy(d + k + 8, s + k + 4, 16);
+      std::memcpy(d + k + 12, s + k + 12, 16);
+    }
+    std::memcpy(d + K16, s + K16, 4 * (K - K16));
+  }
+}
+
+// y[M, N] (row stride ldo) = x[M, K] W^T + b, threads splitting the weight rows. Within a thread, a tile
+// of weight rows (~256 KB, so it stays in L2) meets every block of input rows before the next tile is
+// read: decoding (M <= 7) streams W from memory once, and a prefill of many rows reads it once too.
+template <typename C>
+void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* bias, float* out, int64_t ldo) {
+  const int64_t K = c.K;
+  std::vector<float> permuted;
+  if constexpr (C::kPermuteX) {
+    permuted.resize(M * K);
+    permute_rows_bf16(x, permuted.data(), M, K);
+    x = permuted.data();
+  }
+  const int64_t tile = std::max<int64_t>(4, (256 * 1024) / c.bytes_per_row());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t R = std::min(kMaxRows, M - m0);
+        kBlocks<C>[R](x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------- int4
+// Weight-only int4 in llama.cpp's Q4_K arrangement, with 8-bit sub-block scales: a row is cut into
+// super-blocks of up to 256 weights (8 groups of 32; the last one may be shorter), and weight i of
+// group g in super-block s is
+//     w = d[s] * sc[g] * q - dmin[s] * m[g],   q a nibble, sc and m uint8, d and dmin fp16.
+// A Q4_K block of a GGUF file (6-bit sc and m) is this exactly, so its weights load unchanged.
+//
+// Each row is one record, read as one sequential stream: K / 2 bytes of nibbles, G = K / 32 bytes of
+// sc, G of m, S = ceil(K / 256) fp16 d, S fp16 dmin. Nibbles go as Q4_K's: the 32 bytes of groups
+// 2p and 2p + 1 hold group 2p's weights in their low nibbles and group 2p + 1's in their high ones;
+// an odd last group takes 16 bytes, byte j holding its weight j (low) and j + 16 (high).
+//
+// The arithmetic is in integers, as llama.cpp's Q4_K x Q8_K: each input row is quantized once per call
+// to int8, one scale per super-block (max|x| / 127), and a group's dot product is one u8 x s8
+// multiply-add (maddubs, exact: at most 2 * 15 * 127 per pair) times its scale sc in int32 (madd).
+// The super-block's groups are summed in int32 and converted once, scaled by d * d_x; the min term is
+// dmin * d_x * sum over groups of m * sum(x_q), also in integers. Int32 sums are exact, so the order
+// that matters is the float one, a fixed order per row: the kernel is batch invariant.
+
+constexpr int64_t kQ4Super = 256;  // weights per super-block (8 groups of 32)
+
+inline int64_t int4_row_bytes(int64_t K) { return K / 2 + 2 * (K / 32) + 4 * ((K + kQ4Super - 1) / kQ4Super); }
+
+// K of an int4 record of row_bytes bytes, or -1 when no multiple of 32 gives that size.
+inline int64_t int4_k_of(int64_t row_bytes) {
+  for (int64_t K = (row_bytes * 16 / 9) / 32 * 32; K >= 32; K -= 32)
+    if (int4_row_bytes(K) == row_bytes) return K;
+  return -1;
+}
+
+struct Q8Rows {  // activations [M, K] -> int8 [M, K], a scale per super-block [M, S], sums per group [M, G]
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int16_t> sums;
+};
+
+// 32 floats times inv, rounded to the nearest integer (ties to even, as nearbyint in the default mode),
+// clamped to +-127, stored as int8; returns their sum.
+inline int32_t quantize32(const float* x, __m256 inv, int8_t* q) {
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j)
+    i[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv)), lo), hi);
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
+  return hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+}
+
+inline Q8Rows quantize_rows_q8(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32, S = (K + kQ4Super - 1) / kQ4Super;
+  Q8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * S), std::vector<int16_t>(M * G)};
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    int8_t* q = out.q.data() + m * K;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t k0 = s * kQ4Super, k1 = std::min(K, k0 + kQ4Super), k8 = k0 + (k1 - k0) / 8 * 8;
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      float amax = 0.0f;
+      for (float v : lanes) amax = std::max(amax, v);
+      for (int64_t k = k8; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      out.scale[m * S + s] = amax / 127.0f;
+      const __m256 vinv = _mm256_set1_ps(inv);
+      int64_t k = k0;
+      for (; k + 32 <= k1; k += 32) out.sums[m * G + k / 32] = static_cast<int16_t>(quantize32(xr + k, vinv, q + k));
+      for (; k < k1; ++k)  // a K that is not a multiple of 32 (int8 only): no group sum needed
+        q[k] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(std::nearbyint(xr[k] * inv)), -127, 127));
+    }
+  }
+  return out;
+}
+
+// Byte masks for _mm256_shuffle_epi8 that broadcast 16-bit lane g of each 128-bit half.
+inline __m256i word_broadcast_mask(int g) {
+  return _mm256_set1_epi16(static_cast<int16_t>((2 * g) | ((2 * g + 1) << 8)));
+}
+
+// Input rows [0, R) (of Q8Rows xq from row m0) against weight rows [n0, n1), NR weight rows interleaved
+// (independent work for the out-of-order core when R is small; each row's arithmetic is unchanged);
+// out has row stride ldo.
+template <int R, int NR>
+void q4_block(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias, float* out, int64_t K, int64_t ldo,
+              int64_t n0, int64_t n1) {
+  const int64_t G = K / 32, S = (K + kQ4Super - 1) / kQ4Super, row_bytes = int4_row_bytes(K);
+  const int64_t S_full = G / 8;  // super-blocks of all 8 groups; a shorter last one takes the general path
+  const int8_t* xqp = xq.q.data() + m0 * K;
+  const float* xs = xq.scale.data() + m0 * S;
+  const int16_t* xsum = xq.sums.data() + m0 * G;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i bmask[8];
+  for (int g = 0; g < 8; ++g) bmask[g] = word_broadcast_mask(g);
+  // Groups g, g + 1 (one 32-byte load of nibbles) of every input row into isum, scales from sc16.
+  auto pair = [&](const uint8_t* nib, int64_t g, int gi, __m256i sc16, __m256i* isum) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + g * 16));
+    const __m256i wa = _mm256_and_si256(v, low4), wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m256i sa = _mm256_shuffle_epi8(sc16, bmask[gi]), sb = _mm256_shuffle_epi8(sc16, bmask[gi + 1]);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xqp + r * K + g * 32;
+      const __m256i pa = _mm256_maddubs_epi16(wa, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+      const __m256i pb = _mm256_maddubs_epi16(wb, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(pa, sa), _mm256_madd_epi16(pb, sb)));
+    }
+  };
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    const uint8_t* nib[NR];
+    const uint8_t* sc[NR];
+    const uint8_t* mn[NR];
+    const uint16_t* dd[NR];
+    __m256 acc[NR][R];
+    __m128 accm[NR][R];  // the min terms, 4 lanes
+    for (int j = 0; j < NR; ++j) {
+      nib[j] = w + (n + j) * row_bytes;
+      sc[j] = nib[j] + K / 2;
+      mn[j] = sc[j] + G;
+      dd[j] = reinterpret_cast<const uint16_t*>(mn[j] + G);
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps(), accm[j][r] = _mm_setzero_ps();
+    }
+    for (int64_t s = 0; s < S_full; ++s) {
+      const int64_t g0 = s * 8;
+      __m256i sc16[NR], isum[NR][R];
+      for (int j = 0; j < NR; ++j) {
+        sc16[j] = _mm256_broadcastsi128_si256(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc[j] + g0))));
+        for (int r = 0; r < R; ++r) isum[j][r] = _mm256_setzero_si256();
+      }
+      for (int gi = 0; gi < 8; gi += 2)
+        for (int j = 0; j < NR; ++j) pair(nib[j], g0 + gi, gi, sc16[j], isum[j]);
+      for (int j = 0; j < NR; ++j) {
+        const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[j] + g0)));
+        const float d = half_to_float(dd[j][s]), dmin = half_to_float(dd[j][S + s]);
+        for (int r = 0; r < R; ++r) {
+          const float dx = xs[r * S + s];
+          const __m128i xs16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xsum + r * G + g0));
+          accm[j][r] =
+              _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, xs16)), _mm_set1_ps(dmin * dx), accm[j][r]);
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][r]), _mm256_set1_ps(d * dx), acc[j][r]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      float mins[R];
+      for (int r = 0; r < R; ++r) {
+        const __m128 t = _mm_add_ps(accm[j][r], _mm_movehl_ps(accm[j][r], accm[j][r]));
+        mins[r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+      }
+      if (S_full < S) {  // the last, shorter super-block
+        const int64_t s = S_full, g0 = s * 8;
+        alignas(16) uint8_t sc_last[16] = {0};
+        std::memcpy(sc_last, sc[j] + g0, G - g0);
+        const __m256i sc16 = _mm256_broadcastsi128_si256(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc_last))));
+        __m256i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+        int64_t g = g0;
+        for (; g + 2 <= G; g += 2) pair(nib[j], g, static_cast<int>(g - g0), sc16, isum);
+        if (g < G) {  // an odd last group: 16 bytes, low nibbles its weights 0-15, high 16-31
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib[j] + g * 16));
+          const __m128i l4 = _mm256_castsi256_si128(low4);
+          const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), l4), _mm_and_si128(b, l4));
+          const __m256i sv = _mm256_shuffle_epi8(sc16, bmask[g - g0]);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqp + r * K + g * 32));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), sv));
+          }
+        }
+        const float d = half_to_float(dd[j][s]), dmin = half_to_float(dd[j][S + s]);
+        for (int r = 0; r < R; ++r) {
+          int32_t msum = 0;
+          for (int64_t h = g0; h < G; ++h) msum += static_cast<int32_t>(mn[j][h]) * xsum[r * G + h];
+          const float dx = xs[r * S + s];
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[j][r]);
+          mins[r] += dmin * dx * static_cast<float>(msum);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float y = hsum(acc[j][r]) - mins[r];
+        out[r * ldo + n + j] = bias ? y + bias[n + j] : y;
+      }
+    }
+  }
+  if (n < n1) q4_block<R, 1>(xq, m0, w, bias, out, K, ldo, n, n1);
+}
+
+constexpr int64_t kMaxRowsQ4 = 8;
+using Q4BlockFn = void (*)(const Q8Rows&, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t,
+                           int64_t);
+#ifndef SPECD_Q4_NR1
+#define SPECD_Q4_NR1 1
+#endif
+constexpr Q4BlockFn kQ4Blocks[kMaxRowsQ4 + 1] = {nullptr,        q4_block<1, SPECD_Q4_NR1>, q4_block<2, 1>,
+                                                 q4_block<3, 1>, q4_block<4, 1>,            q4_block<5, 1>,
+                                                 q4_block<6, 1>, q4_block<7, 1>,            q4_block<8, 1>};
+
+inline void int4_rows(const float* x, int64_t M, const uint8_t* packed, int64_t N, int64_t K, const float* bias,
+                      float* out, int64_t ldo) {
+  const Q8Rows xq = quantize_rows_q8(x, M, K);
+  const int64_t tile = std::max<int64_t>(4, (256 * 1024) / int4_row_bytes(K));
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
+        const int64_t R = std::min(kMaxRowsQ4, M - m0);
+        kQ4Blocks[R](xq, m0, packed, bias, out + m0 * ldo, K, ldo, t0, t1);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------- int8
+// Weight-only int8 with one fp32 scale per output row: w[n, k] = q[n, k] * scale[n]. Multiplied in
+// integers against the activations quantized as for int4 (Q8Rows: int8, one scale per 256), like
+// llama.cpp's Q8_0: a u8 x s8 multiply-add of |w| and x carrying w's sign (exact: at most
+// 2 * 127 * 127 per pair) and a pairwise add to int32, summed over the super-block, converted once and
+// scaled by its activation scale; the row scale is applied once at the end. A K that is not a
+// multiple of 32 ends in a scalar integer tail. Batch invariant for the same reasons as int4.
+
+template <int R>
+void q8_block(const Q8Rows& xq, int64_t m0, const int8_t* w, const float* scale, const float* bias, float* out,
+              int64_t K, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t S = (K + kQ4Super - 1) / kQ4Super;
+  const int8_t* xqp = xq.q.data() + m0 * K;
+  const float* xs = xq.scale.data() + m0 * S;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    __m256 acc[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), tail[r] = 0.0f;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t k0 = s * kQ4Super, k1 = std::min(K, k0 + kQ4Super), k32 = k0 + (k1 - k0) / 32 * 32;
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k32; k += 32) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
+        const __m256i wa = _mm256_abs_epi8(wv);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqp + r * K + k));
+          const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t t = 0;
+        for (int64_t k = k32; k < k1; ++k) t += static_cast<int32_t>(wr[k]) * xqp[r * K + k];
+        const float dx = xs[r * S + s];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(dx), acc[r]);
+        tail[r] += dx * static_cast<float>(t);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float y = (hsum(acc[r]) + tail[r]) * scale[n];
+      out[r * ldo + n] = bias ? y + bias[n] : y;
+    }
+  }
+}
+
+using Q8BlockFn = void (*)(const Q8Rows&, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
+                           int64_t, int64_t);
+constexpr Q8BlockFn kQ8Blocks[kMaxRowsQ4 + 1] = {nullptr,     q8_block<1>, q8_block<2>, q8_block<3>, q8_block<4>,
+                                                 q8_block<5>, q8_block<6>, q8_block<7>, q8_block<8>};
+
+inline void int8_rows(const float* x, int64_t M, const int8_t* w, const float* scale, int64_t N, int64_t K,
+                      const float* bias, float* out, int64_t ldo) {
+  const Q8Rows xq = quantize_rows_q8(x, M, K);
+  const int64_t tile = std::max<int64_t>(4, (256 * 1024) / K);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
+        const int64_t R = std::min(kMaxRowsQ4, M - m0);
+        kQ8Blocks[R](xq, m0, w, scale, bias, out + m0 * ldo, K, ldo, t0, t1);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------- one interface
+// A linear layer's weights in whichever format, as the fused decoder holds them.
+enum class Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+
+struct LinearWeights {
+  Format format;
+  const void* w;        // bf16 [N, K], int8 [N, K], or int4 records [N, int4_row_bytes(K)]
+  const float* scale;   // int8: [N]; else null
+  const float* bias;    // fp32 [N] or null
+  int64_t N, K;
+};
+
+// y[M, N] (row stride ldo) = x[M, K] (fp32, contiguous) W^T + b.
+inline void linear_any(const LinearWeights& lw, const float* x, int64_t M, float* out, int64_t ldo) {
+  switch (lw.format) {
+    case Format::kBf16:
+      linear_rows(x, M, Bf16Rows{static_cast<const uint16_t*>(lw.w), lw.K}, lw.N, lw.bias, out, ldo);
+      break;
+    case Format::kInt8:
+      int8_rows(x, M, static_cast<const int8_t*>(lw.w), lw.scale, lw.N, lw.K, lw.bias, out, ldo);
+      break;
+    case Format::kInt4:
+      int4_rows(x, M, static_cast<const uint8_t*>(lw.w), lw.N, lw.K, lw.bias, out, ldo);
+      break;
+  }
+}
+
+}  // namespace specd

@@ -1,0 +1,179 @@
+// The linear kernels of linear.h as torch ops: specd_kernels::bf16_linear, int8_linear, int4_linear,
+// for the Python forward (services/engine/llama.py) when the fused decoder (decoder.cpp) is not used.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "linear.h"
+
+namespace {
+
+using specd::Format;
+using specd::LinearWeights;
+
+at::Tensor run(const at::Tensor& x, const LinearWeights& lw) {
+  TORCH_CHECK(x.size(-1) == lw.K, "x has ", x.size(-1), " features, the weight ", lw.K);
+  auto lead = x.sizes().vec();
+  lead.pop_back();
+  const at::Tensor xf = x.reshape({-1, lw.K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor out = at::empty({M, lw.N}, xf.options());
+  specd::linear_any(lw, xf.data_ptr<float>(), M, out.data_ptr<float>(), lw.N);
+  lead.push_back(lw.N);
+  return out.to(x.scalar_type()).reshape(lead);
+}
+
+const float* bias_ptr(const c10::optional<at::Tensor>& bias, at::Tensor& holder, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == N, "bias must have one entry per weight row");
+  holder = bias->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D bf16 tensor");
+  at::Tensor b;
+  const LinearWeights lw{Format::kBf16, weight.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)),
+                         weight.size(0), weight.size(1)};
+  return run(x, lw);
+}
+
+// Weight-only int8 with one fp32 scale per output row: w[n, k] ~= weight[n, k] * scale[n].
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D int8 tensor");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0) && scale.is_contiguous(),
+              "scale must be a contiguous fp32 tensor with one entry per weight row");
+  at::Tensor b;
+  const LinearWeights lw{Format::kInt8, weight.data_ptr(), scale.data_ptr<float>(), bias_ptr(bias, b, weight.size(0)),
+                         weight.size(0), weight.size(1)};
+  return run(x, lw);
+}
+
+// Weight-only int4 (see linear.h): packed [N, int4_row_bytes(K)] bytes, one record per row; K is x's width.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed must be a contiguous 2-D uint8 tensor");
+  const int64_t N = packed.size(0), K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0 && specd::int4_row_bytes(K) == packed.size(1), "int4 records of ", packed.size(1),
+              " bytes do not hold rows of ", K, " weights (K must be a multiple of 32)");
+  at::Tensor b;
+  const LinearWeights lw{Format::kInt4, packed.data_ptr(), nullptr, bias_ptr(bias, b, N), N, K};
+  return run(x, lw);
+}
+
+
+// The int4 records of a float/bf16 weight [N, K] (K % 32 == 0), exactly as llama.quantize_int4
+// computes them (which is the reference the tests compare against), in a fraction of the time.
+at::Tensor quantize_int4(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % 32 == 0, "int4 needs a 2-D weight with K % 32 == 0");
+  const int64_t N = weight.size(0), K = weight.size(1), G = K / 32, S = (K + 255) / 256;
+  const int64_t row_bytes = specd::int4_row_bytes(K);
+  at::Tensor out = at::empty({N, row_bytes}, at::kByte);
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const at::Tensor rows = weight.narrow(0, n0, n1 - n0).to(at::kFloat).contiguous();
+    const float* wp = rows.data_ptr<float>();
+    std::vector<float> scale(G), neg_min(G);
+    std::vector<uint8_t> q(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* w = wp + (n - n0) * K;
+      uint8_t* rec = op + n * row_bytes;
+      for (int64_t g = 0; g < G; ++g) {
+        float lo = w[g * 32], hi = w[g * 32];
+        for (int i = 1; i < 32; ++i) lo = std::min(lo, w[g * 32 + i]), hi = std::max(hi, w[g * 32 + i]);
+        lo = std::min(lo, 0.0f);
+        scale[g] = (hi - lo) / 15.0f;
+        neg_min[g] = -lo;
+      }
+      uint16_t* dd = reinterpret_cast<uint16_t*>(rec + K / 2 + 2 * G);
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t g0 = s * 8, g1 = std::min(G, g0 + 8);
+        float smax = 0.0f, mmax = 0.0f;
+        for (int64_t g = g0; g < g1; ++g) smax = std::max(smax, scale[g]), mmax = std::max(mmax, neg_min[g]);
+        const uint16_t dh = _cvtss_sh(smax / 255.0f, 0), mh = _cvtss_sh(mmax / 255.0f, 0);
+        dd[s] = dh, dd[S + s] = mh;
+        const float d = specd::half_to_float(dh), dmin = specd::half_to_float(mh);
+        for (int64_t g = g0; g < g1; ++g) {
+          const float sc = d > 0.0f ? std::clamp(std::nearbyint(scale[g] / d), 0.0f, 255.0f) : 0.0f;
+          const float m = dmin > 0.0f ? std::clamp(std::nearbyint(neg_min[g] / dmin), 0.0f, 255.0f) : 0.0f;
+          rec[K / 2 + g] = static_cast<uint8_t>(sc);
+          rec[K / 2 + G + g] = static_cast<uint8_t>(m);
+          const float step = d * sc, offset = dmin * m;
+          if (step > 0.0f) {  // 8 at a time: the same IEEE add, division and rounding as one at a time
+            const __m256 vo = _mm256_set1_ps(offset), vstep = _mm256_set1_ps(step), top = _mm256_set1_ps(15.0f);
+            for (int i = 0; i < 32; i += 8) {
+              const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_add_ps(_mm256_loadu_ps(w + g * 32 + i), vo), vstep),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+              alignas(32) int32_t v[8];
+              _mm256_store_si256(reinterpret_cast<__m256i*>(v),
+                                 _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), top)));
+              for (int j = 0; j < 8; ++j) q[g * 32 + i + j] = static_cast<uint8_t>(v[j]);
+            }
+          } else {
+            std::fill(q.begin() + g * 32, q.begin() + g * 32 + 32, 0);
+          }
+        }
+      }
+      const int64_t even = G - G % 2;
+      for (int64_t p = 0; p < even / 2; ++p)
+        for (int j = 0; j < 32; ++j) rec[p * 32 + j] = q[64 * p + j] | (q[64 * p + 32 + j] << 4);
+      if (G % 2)
+        for (int j = 0; j < 16; ++j) rec[even * 16 + j] = q[even * 32 + j] | (q[even * 32 + 16 + j] << 4);
+    }
+  });
+  return out;
+}
+
+// Symmetric int8 with one fp32 scale per row, exactly as llama.quantize_int8_reference computes it:
+// scale = max(max(w), -min(w)) / 127 (at least 1e-12), q = round(w / scale) clamped to +-127.
+std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "int8 needs a 2-D weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  at::Tensor q = at::empty({N, K}, at::kChar), scale = at::empty({N}, at::kFloat);
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const at::Tensor rows = weight.narrow(0, n0, n1 - n0).to(at::kFloat).contiguous();
+    const float* wp = rows.data_ptr<float>();
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* w = wp + (n - n0) * K;
+      float hi = w[0], lo = w[0];
+      for (int64_t k = 1; k < K; ++k) hi = std::max(hi, w[k]), lo = std::min(lo, w[k]);
+      const float s = std::max(std::max(hi, -lo) / 127.0f, 1e-12f);
+      sp[n] = s;
+      // Vector division and rounding: the same IEEE results as the scalar reference, 8 at a time.
+      const __m256 vs = _mm256_set1_ps(s), vlo = _mm256_set1_ps(-127.0f), vhi = _mm256_set1_ps(127.0f);
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(w + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m128i i = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, vlo), vhi)), _mm256_setzero_si256()), _mm256_setzero_si256()),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qp + n * K + k), i);
+      }
+      for (; k < K; ++k) qp[n * K + k] = static_cast<int8_t>(std::clamp(std::nearbyint(w[k] / s), -127.0f, 127.0f));
+    }
+  });
+  return {q, scale};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specd_kernels, m) {
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("quantize_int4(Tensor weight) -> Tensor");
+  m.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
+  m.impl("bf16_linear", bf16_linear);
+  m.impl("int8_linear", int8_linear);
+  m.impl("int4_linear", int4_linear);
+  m.impl("quantize_int4", quantize_int4);
+  m.impl("quantize_int8", quantize_int8);
+}
