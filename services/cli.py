@@ -320,6 +320,7 @@ def cmd_target(args: argparse.Namespace) -> int:
         draft_round_timeout=args.draft_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
         quantize=_quantize(args.quantize),
+        draft_ahead=args.draft_ahead == "on",
     )
     serve(cfg)
     return 0
@@ -366,6 +367,7 @@ def _check_capacity(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from specd.services.common.affinity import CorePlan
     from specd.services.serve import ServeConfig, serve
 
     _check_capacity(args)
@@ -393,6 +395,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             kv_cache_memory=args.kv_cache_memory,
             prefill_chunk=args.prefill_chunk,
+            draft_ahead=args.draft_ahead == "on",
+            pin_cores=CorePlan.parse(args.pin_cores) if args.pin_cores else None,
         )
     )
 
@@ -478,6 +482,19 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: one per core)")
     p.add_argument("--served-model-name", default=None)
     _add_pair_arg(p)
+
+
+def _add_draft_ahead_arg(p: argparse.ArgumentParser) -> None:
+    from specd.services.target.draft_client import DRAFT_AHEAD_DEFAULT
+
+    default = "on" if DRAFT_AHEAD_DEFAULT else "off"
+    p.add_argument(
+        "--draft-ahead",
+        choices=["on", "off"],
+        default=default,
+        help="the draft service drafts each sequence's next block while the target verifies, for the likeliest "
+        f"outcomes, and answers at once when it guessed right; the output is the same (default {default})",
+    )
 
 
 def _add_capacity_args(p: argparse.ArgumentParser) -> None:
@@ -605,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default guesses per round (auto: the most it may choose; default 6 for auto, 3 otherwise)",
     )
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
+    _add_draft_ahead_arg(t)
     t.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -661,6 +679,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's own)"
     )
     _add_kv_args(s)
+    _add_draft_ahead_arg(s)
+    s.add_argument(
+        "--pin-cores",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="DRAFT:TARGET",
+        help="run the draft (with the gateway) and the target on disjoint cores, as many threads as cores: "
+        "alone, the first two usable cores, one each; or core lists, e.g. 0:1 or 0-1:2-7",
+    )
     s.set_defaults(func=cmd_serve)
     m = sub.add_parser("models", help="fetch and list the known model pairs")
     msub = m.add_subparsers(dest="models_command", required=True)

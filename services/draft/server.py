@@ -35,8 +35,17 @@ class DraftServerConfig(ServiceConfig):
     tls: TLSConfig | None = None  # mutual TLS on this server's port
 
 
+BLOCK_SOURCES = {
+    "fresh": draft_pb2.BLOCK_SOURCE_FRESH,
+    "prepared": draft_pb2.BLOCK_SOURCE_PREPARED,
+    "continued": draft_pb2.BLOCK_SOURCE_CONTINUED,
+}
+
+
 def block_to_pb(b: BlockOut) -> draft_pb2.Block:
     msg = draft_pb2.Block(sequence_id=b.seq_id, token_ids=b.token_ids, error=b.error)
+    if b.token_ids:
+        msg.source = BLOCK_SOURCES[b.source]
     for ids, probs in zip(b.sparse_ids, b.sparse_probs):
         msg.probs.add(token_ids=ids.tolist(), probs=probs.tolist())
     return msg
@@ -68,16 +77,25 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 errors[o.sequence_id] = err
         reqs = [
             ProposeReq(
-                r.sequence_id, r.num_accepted, list(r.new_token_ids), r.committed_length, r.num_tokens, r.round_seed
+                r.sequence_id,
+                r.num_accepted,
+                list(r.new_token_ids),
+                r.committed_length,
+                r.num_tokens,
+                r.round_seed,
+                r.next_round_seed,
             )
             for r in rnd.rows
             if r.sequence_id not in errors
         ]
-        blocks = self.worker.propose(stream, reqs) if reqs else []
+        blocks = self.worker.propose(stream, reqs, rnd.draft_ahead) if reqs else []
         blocks += [BlockOut(s, error=e) for s, e in errors.items()]
         seconds = time.perf_counter() - t0
         if rnd.rows:
             metrics.DRAFT_BLOCK_SECONDS.observe(seconds)
+            for b in blocks:
+                if b.token_ids:
+                    metrics.DRAFT_BLOCKS.labels(source=b.source).inc()
         metrics.DRAFT_SEQUENCES.set(self.worker.active)
         return draft_pb2.DraftBlocks(
             round_id=rnd.round_id, blocks=[block_to_pb(b) for b in blocks], draft_seconds=seconds
@@ -90,8 +108,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Draft(self, request_iterator, context):
         stream = uuid.uuid4().hex[:12]
+        inbox: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(_read_into(request_iterator, inbox))
         try:
-            async for rnd in request_iterator:
+            while True:
+                rnd = await self._next_round(stream, inbox)
+                if rnd is None:
+                    return
                 try:
                     blocks = self._round(stream, rnd)
                 except Exception:
@@ -100,7 +123,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 yield blocks
         finally:
             # Runs on normal close, on cancellation and when the target dies: nothing leaks.
+            reader.cancel()
             self._close_stream(stream)
+
+    async def _next_round(self, stream: str, inbox: asyncio.Queue) -> draft_pb2.DraftRound | None:
+        """The stream's next round (None at its end). Until it comes, draft ahead one batched step
+        at a time (services/draft/ahead.py), giving the event loop a turn after each, so a round
+        that arrives waits at most for the step in flight."""
+        while inbox.empty() and self.worker.ahead_pending(stream):
+            t0 = time.perf_counter()
+            if self.worker.ahead_step(stream):
+                metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
+            await asyncio.sleep(0)
+        item = await inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def Health(self, request, context):
         return common_pb2.HealthResponse(serving=not self.drain.draining)
@@ -112,6 +150,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         released = self.worker.release_anywhere(request.sequence_id)
         metrics.DRAFT_SEQUENCES.set(self.worker.active)
         return common_pb2.ReleaseResponse(released=released)
+
+
+async def _read_into(request_iterator, inbox: asyncio.Queue) -> None:
+    """Move a stream's requests into ``inbox``, then None at its end (or the error that ended it)."""
+    try:
+        async for rnd in request_iterator:
+            inbox.put_nowait(rnd)
+        inbox.put_nowait(None)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        inbox.put_nowait(e)
 
 
 def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoResponse]:

@@ -29,10 +29,15 @@ from specd.services.common.convert import sampling_to_pb
 from specd.services.common.grpc_server import CHANNEL_OPTIONS
 from specd.services.common.tls import TLSConfig, channel
 from specd.services.engine.drafters import DraftRow, Proposal
-from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed
+from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed, make_generator
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# Drafting ahead is off unless asked for (--draft-ahead on): it pays when the draft has cores of its
+# own (specd serve --pin-cores, separate machines); on shared cores its extra steps take the
+# target's cycles. README, "Drafting ahead", has the measurements this default rests on.
+DRAFT_AHEAD_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,25 @@ class DraftClientConfig:
     retry_initial: float = 0.25  # backoff after a failure, doubling up to retry_max
     retry_max: float = 4.0
     tls: TLSConfig | None = None  # mutual TLS to the drafts (None: plaintext)
+    # Ask the drafts to draft each sequence's next block while this target verifies
+    # (services/draft/ahead.py); the output is the same either way.
+    draft_ahead: bool = DRAFT_AHEAD_DEFAULT
+
+
+@dataclass(frozen=True)
+class DraftRoundReport:
+    """What one round of remote guesses cost the target, for its metrics."""
+
+    wait_seconds: float  # from sending the round to the last reply (or the timeout)
+    blocks: dict[str, int]  # blocks received by source: "fresh", "prepared", "continued"
+
+
+BLOCK_SOURCE_NAMES = {
+    draft_pb2.BLOCK_SOURCE_UNSPECIFIED: "fresh",  # a draft that does not say (an older one) drafted it fresh
+    draft_pb2.BLOCK_SOURCE_FRESH: "fresh",
+    draft_pb2.BLOCK_SOURCE_PREPARED: "prepared",
+    draft_pb2.BLOCK_SOURCE_CONTINUED: "continued",
+}
 
 
 class _Stream:
@@ -146,6 +170,11 @@ class _SeqState:
     sampling: common_pb2.SamplingParams  # what the draft needs to build the same q as the target's p
     known: int = 0  # committed tokens the draft has seen
     num_accepted: int = 0  # of the last proposal, to report next round
+    # The sequence's round seeds (sampled rows): a stream of its own, seeded once from the request's
+    # draft stream, so the next round's seed is known a round early (a draft drafting ahead needs
+    # it) and every seed still comes from the request's own seeded stream.
+    seeds: torch.Generator | None = None
+    next_seed: int = 0
 
 
 class RemoteDrafter:
@@ -157,6 +186,7 @@ class RemoteDrafter:
         vocab_size: int,
         device: torch.device | str = "cpu",
         on_failure: Callable[[str], None] | None = None,
+        on_round: Callable[[DraftRoundReport], None] | None = None,
     ) -> None:
         if not cfg.addresses:
             raise ValueError("at least one draft address is needed")
@@ -164,6 +194,8 @@ class RemoteDrafter:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.on_failure = on_failure or (lambda address: None)
+        self.on_round = on_round or (lambda report: None)
+        self.blocks_by_source = {"fresh": 0, "prepared": 0, "continued": 0}  # since start, for tests and tools
         self.endpoints = [DraftEndpoint(a, cfg) for a in cfg.addresses]
         self.seqs: dict[str, _SeqState] = {}
         self._round_ids = itertools.count(1)
@@ -216,14 +248,20 @@ class RemoteDrafter:
             round_id = next(self._round_ids)
             ep.stream.send(self._round_msg(ep, round_id, [rows[i] for i in idx]))
             pending.append((ep, round_id, idx))
-        deadline = time.monotonic() + self.cfg.round_timeout
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.round_timeout
+        blocks = dict.fromkeys(self.blocks_by_source, 0)
         for ep, round_id, idx in pending:
             reply = ep.stream.receive(round_id, deadline) if ep.stream is not None else None
             if reply is None:
                 self._failed(ep)
                 continue
             ep.succeeded()
-            self._fill(reply, {rows[i].seq_id: i for i in idx}, rows, token_ids, probs)
+            self._fill(reply, {rows[i].seq_id: i for i in idx}, rows, token_ids, probs, blocks)
+        if pending:
+            for source, n in blocks.items():
+                self.blocks_by_source[source] += n
+            self.on_round(DraftRoundReport(time.monotonic() - t0, blocks))
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
@@ -270,13 +308,19 @@ class RemoteDrafter:
             st.endpoint.assigned -= 1
             st.endpoint.opened.discard(seq_id)
             new.assigned += 1
-            self.seqs[seq_id] = _SeqState(new, st.sampling)
+            self.seqs[seq_id] = _SeqState(new, st.sampling, seeds=st.seeds, next_seed=st.next_seed)
 
     def _round_msg(self, ep: DraftEndpoint, round_id: int, rows: list[DraftRow]) -> draft_pb2.DraftRound:
-        msg = draft_pb2.DraftRound(round_id=round_id)
+        msg = draft_pb2.DraftRound(round_id=round_id, draft_ahead=self.cfg.draft_ahead)
         for r in rows:
             st = self.seqs[r.seq_id]
-            seed = 0 if r.generator is None else draw_seed(r.generator)
+            seed = next_seed = 0
+            if r.generator is not None:
+                if st.seeds is None:
+                    st.seeds = make_generator(draw_seed(r.generator))
+                    st.next_seed = draw_seed(st.seeds)
+                seed, st.next_seed = st.next_seed, draw_seed(st.seeds)
+                next_seed = st.next_seed
             if r.seq_id not in ep.opened:
                 msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
                 ep.opened.add(r.seq_id)
@@ -288,11 +332,14 @@ class RemoteDrafter:
                 committed_length=len(r.tokens),
                 num_tokens=r.k,
                 round_seed=seed,
+                next_round_seed=next_seed,
             )
             st.known, st.num_accepted = len(r.tokens), 0
         return msg
 
-    def _fill(self, reply, index: dict[str, int], rows, token_ids: torch.Tensor, probs: torch.Tensor | None) -> None:
+    def _fill(
+        self, reply, index: dict[str, int], rows, token_ids: torch.Tensor, probs: torch.Tensor | None, blocks
+    ) -> None:
         for b in reply.blocks:
             i = index.get(b.sequence_id)
             if i is None:
@@ -311,6 +358,7 @@ class RemoteDrafter:
                     d = b.probs[j]
                     probs[i, j, torch.tensor(d.token_ids, dtype=torch.long)] = torch.tensor(list(d.probs))
             token_ids[i, :n] = torch.tensor(b.token_ids[:n], dtype=torch.long)
+            blocks[BLOCK_SOURCE_NAMES.get(b.source, "fresh")] += 1
 
     def _failed(self, ep: DraftEndpoint) -> None:
         log.warning("draft %s did not answer; decoding without its guesses", ep.address)
