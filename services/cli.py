@@ -228,26 +228,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 0
     if args.serve:
-        from specd.benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
-
-        run_serve_bench(
-            ServeBenchConfig(
-                target=args.target,
-                draft=args.draft,
-                dtype=args.dtype,
-                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5),
-                auto=not args.no_auto,
-                max_tokens=args.max_tokens,
-                concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
-                workloads=tuple(w.strip() for w in args.workloads.split(",")),
-                temperatures=tuple(float(t) for t in (args.temperatures or "0").split(",")),
-                max_batch_size=args.max_batch_size,
-                repeats=args.repeats or 3,
-                out_dir=args.out,
-                quick=args.quick,
-            )
-        )
-        return 0
+        return _serve_bench(args)
     from specd.benchmarks.engine_bench import BenchConfig, run_engine_bench
 
     cfg = BenchConfig(
@@ -263,6 +244,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
         include_hf=not args.no_hf,
     )
     run_engine_bench(cfg)
+    return 0
+
+
+def _on_off_list(flag: str, value: str) -> tuple[bool, ...]:
+    """``off``, ``on``, ``off,on`` (each once) as booleans, in order."""
+    words = tuple(w.strip() for w in value.split(","))
+    if not words or any(w not in ("on", "off") for w in words) or len(set(words)) != len(words):
+        raise ValueError(f"{flag}: off, on or off,on; got {value!r}")
+    return tuple(w == "on" for w in words)
+
+
+def _serve_bench(args: argparse.Namespace) -> int:
+    """``bench --serve``: one run per pair (``--pairs``), or the --target/--draft (or --pair) models."""
+    from specd.benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
+    from specd.services.model_store.fetch import resolve_pair
+
+    draft_ahead = _on_off_list("--draft-ahead", args.draft_ahead)
+    pin_cores = _on_off_list("--pin-cores", args.pin_cores)
+    studying = len(draft_ahead) > 1 or any(draft_ahead) or any(pin_cores)
+    runs = [(args.pair or "", args.target, args.draft)]
+    if args.pairs:
+        runs = []
+        for name in (n.strip() for n in args.pairs.split(",")):
+            paths = resolve_pair(name)
+            runs.append((name, str(paths.target), str(paths.draft)))
+    for name, target, draft in runs:
+        # The drafting-ahead study writes its own files, per pair; the plain run keeps serve_bench.json.
+        out_name = "serve_bench" if not studying else "serve_bench_ahead" + (f"_{name}" if name else "")
+        if args.quick and studying:
+            out_name += "_quick"
+        run_serve_bench(
+            ServeBenchConfig(
+                target=target,
+                draft=draft,
+                dtype=args.dtype,
+                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5),
+                auto=not args.no_auto,
+                max_tokens=args.max_tokens,
+                concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
+                workloads=tuple(w.strip() for w in args.workloads.split(",")),
+                temperatures=tuple(float(t) for t in (args.temperatures or "0").split(",")),
+                max_batch_size=args.max_batch_size,
+                repeats=args.repeats or 3,
+                out_dir=args.out,
+                quick=args.quick,
+                draft_ahead=draft_ahead,
+                pin_cores=pin_cores,
+                name=out_name,
+            )
+        )
     return 0
 
 
@@ -589,6 +620,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-size", type=int, default=None, help="--serve: the target's (default: the largest concurrency)"
     )
     b.add_argument("--no-auto", action="store_true", help="--serve: skip the auto method")
+    b.add_argument(
+        "--draft-ahead",
+        default="off",
+        help="--serve: drafting in turn (off), ahead (on), or both side by side (off,on); default off",
+    )
+    b.add_argument(
+        "--pin-cores",
+        default="off",
+        help="--serve: unpinned (off), draft + gateway and target on disjoint cores, one thread each (on), "
+        "or both (off,on); default off",
+    )
+    b.add_argument("--pairs", default=None, help="--serve: one run per known pair, e.g. demo,qwen2.5-coder")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("draft", help="run the gRPC draft service")
@@ -712,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         args.concurrency_given = args.concurrency is not None
-        args.concurrency = args.concurrency or "1,4,16"
+        args.concurrency = args.concurrency or ("1,4" if args.serve and args.quick else "1,4,16")
         args.k_given = args.k is not None
         args.k = args.k or "1,2,3,4,5,6,7,8"
     if getattr(args, "model", "unset") is None:
