@@ -18,6 +18,14 @@ In one run, interleaved:
 The stack is started here, process by process (the commands of ``specd serve``, with the target's
 ``--max-batch-size``), so a batch can hold every concurrent stream.
 
+**Drafting ahead and separate cores.** ``draft_ahead`` lists the ways the draft runs: drafting in
+turn (off), drafting ahead (on: services/draft/ahead.py), or both; ``pin_cores`` the layouts:
+unpinned (every process on every core) and pinned (``specd serve --pin-cores``: the draft and the
+gateway on one core, the target on another, one thread each). Per layout one stack per way is up
+at once and the passes alternate between them, so both see the same machine; ``none`` is measured
+on the first. Pinned, the load generator runs on the draft's core and the in-process engine on the
+target's (one thread: the same hardware as the target, doing the draft's work too).
+
 Reported per (workload, temperature, concurrency, mode): time to first token, time between tokens
 p50/p99 (a chunk of n tokens counts as n gaps of its interval / n, as the gateway's histogram does),
 aggregate tokens/s, the speed-up over ``none``, acceptance and the mean k; per (workload,
@@ -30,19 +38,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
 from specd.benchmarks.engine_bench import CODE_PROMPTS, PROSE_QUESTIONS
+from specd.services.common.affinity import CorePlan
 from specd.services.common.constants import DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.common.ports import free_ports
-from specd.services.common.process import die_with_parent, stop_process_group
+from specd.services.common.process import stop_process_group
+from specd.services.common.runtime import DEFAULT_SPINCOUNT
 from specd.services.engine.engine import EngineConfig, Request, SpecConfig
 from specd.services.engine.sampling import SamplingParams
 
@@ -65,8 +78,15 @@ class ServeBenchConfig:
     repeats: int = 3
     out_dir: str = "benchmarks/results"
     quick: bool = False
+    draft_ahead: tuple[bool, ...] = (False,)  # one stack per value, side by side
+    pin_cores: tuple[bool, ...] = (False,)  # layouts, one after the other
+    name: str = "serve_bench"  # of the output files: NAME.json, NAME.png
 
     def __post_init__(self) -> None:
+        if not self.draft_ahead or len(set(self.draft_ahead)) != len(self.draft_ahead):
+            raise ValueError(f"--draft-ahead for --serve: off, on or off,on, got {self.draft_ahead}")
+        if not self.pin_cores or len(set(self.pin_cores)) != len(self.pin_cores):
+            raise ValueError(f"--pin-cores for --serve: off, on or off,on, got {self.pin_cores}")
         if not self.ks or len(set(self.ks)) != len(self.ks) or not all(1 <= k <= 16 for k in self.ks):
             raise ValueError(f"--k for --serve: distinct block sizes from 1 to 16, got {self.ks}")
         if not self.workloads or any(w not in WORKLOADS for w in self.workloads):
@@ -89,6 +109,14 @@ def _mode(mode: Mode) -> str:
     """The label of a speculation mode: "none", "draft k=<k>" or "auto k<=<k>"."""
     method, k = mode
     return {"none": "none", "draft": f"draft k={k}", "auto": f"auto k<={k}"}[method]
+
+
+def _layout(pinned: bool) -> str:
+    return "pinned" if pinned else "unpinned"
+
+
+def _way(ahead: bool) -> str:
+    return "ahead" if ahead else "in turn"
 
 
 @dataclass
@@ -114,10 +142,11 @@ class LoadResult:
 class _Stack:
     """Draft, target and gateway (``specd serve``'s commands), each in its own process group."""
 
-    def __init__(self, cfg: ServeBenchConfig) -> None:
-        from specd.services.serve import ServeConfig, _commands
+    def __init__(self, cfg: ServeBenchConfig, draft_ahead: bool = False, cores: CorePlan | None = None) -> None:
+        from specd.services.serve import ServeConfig, _commands, child_options
 
         self.port, draft_port, target_port, draft_metrics, target_metrics = free_ports(5)
+        self.target_metrics_url = f"http://127.0.0.1:{target_metrics}/metrics"
         serve_cfg = ServeConfig(
             target=cfg.target,
             draft=cfg.draft,
@@ -128,17 +157,22 @@ class _Stack:
             draft_metrics_port=draft_metrics,
             target_metrics_port=target_metrics,
             dtype=cfg.dtype,
+            draft_ahead=draft_ahead,
+            pin_cores=cores,
         )
-        self.log = open(Path(cfg.out_dir) / "serve_bench.log.tmp", "wb")  # noqa: SIM115
+        tag = f"{_layout(cores is not None)}-{'ahead' if draft_ahead else 'in-turn'}"
+        self.log = open(Path(cfg.out_dir) / f"{cfg.name}.{tag}.log.tmp", "wb")  # noqa: SIM115
         self.procs: list[subprocess.Popen] = []
+        env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)}
         try:
             for name, cmd in _commands(serve_cfg):
                 if name == "target":  # every concurrent stream in one batch
                     cmd = [*cmd, "--max-batch-size", str(cfg.batch_size)]
-                # die_with_parent: a bench killed outright (a test's timeout, say) takes its stack with it.
+                # die_with_parent (in child_options): a bench killed outright (a test's timeout, say)
+                # takes its stack with it.
                 self.procs.append(
                     subprocess.Popen(
-                        cmd, stdout=self.log, stderr=subprocess.STDOUT, process_group=0, preexec_fn=die_with_parent
+                        cmd, stdout=self.log, stderr=subprocess.STDOUT, **child_options(serve_cfg, name, env)
                     )
                 )
             self.url = f"http://127.0.0.1:{self.port}"
@@ -166,6 +200,37 @@ class _Stack:
         for p in reversed(self.procs):  # gateway first, then target, then draft
             stop_process_group(p, grace=30)
         self.log.close()
+
+    def prepared_share(self) -> float | None:
+        """Share of the target's rounds of remote guesses served by a prepared block, so far."""
+        with urllib.request.urlopen(self.target_metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        counts = {}
+        for line in text.splitlines():
+            if line.startswith("specd_spec_draft_blocks_total{"):
+                source = line.split('source="', 1)[1].split('"', 1)[0]
+                counts[source] = float(line.rpartition(" ")[2])
+        total = sum(counts.values())
+        return (counts.get("prepared", 0) + counts.get("continued", 0)) / total if total else None
+
+
+@contextmanager
+def _on_cores(cores: frozenset[int] | None, threads: int | None = None) -> Iterator[None]:
+    """Run this process on ``cores`` (and torch on ``threads``) for a while; None: leave it be."""
+    if cores is None:
+        yield
+        return
+    import torch
+
+    before, before_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cores)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(before_threads)
 
 
 def _body(workload: str, prompt: str, mode: Mode, temperature: float, cfg: ServeBenchConfig) -> tuple[str, dict]:
@@ -245,7 +310,8 @@ def _merge(into: LoadResult, other: LoadResult) -> None:
 
 
 class _InProcess:
-    """The engine in this process at batch 1, every mode, greedy code; passes add into the totals."""
+    """The engine in this process at batch 1, every mode, greedy code; passes add into the totals
+    of their layout."""
 
     def __init__(self, cfg: ServeBenchConfig, prompts: list[str]) -> None:
         from specd.services.engine.builder import ModelSpec, build_engine
@@ -256,15 +322,16 @@ class _InProcess:
             ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1)
         )
         self.ids = [tuple(encode_text(self.engine.tokenizer, p)) for p in prompts]
-        self.tokens = {m: 0 for m in cfg.modes}
-        self.seconds = {m: 0.0 for m in cfg.modes}
-        self.run_pass(count=False)  # warm-up
+        self.tokens: dict[tuple[str, Mode], int] = {}
+        self.seconds: dict[tuple[str, Mode], float] = {}
+        self.run_pass(None)  # warm-up
 
-    def run_pass(self, count: bool = True) -> dict[Mode, float]:
-        """One pass over the prompts in every mode; returns this pass's tokens/s per mode."""
+    def run_pass(self, layout: str | None) -> dict[Mode, float]:
+        """One pass over the prompts in every mode; returns this pass's tokens/s per mode (counted
+        into ``layout``'s totals unless None)."""
         params = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_tokens, ignore_eos=True)
         this = {}
-        for mode in self.tokens:
+        for mode in self.cfg.modes:
             tokens, seconds = 0, 0.0
             for i, p in enumerate(self.ids):
                 req = Request(f"{_mode(mode)}-{time.monotonic_ns()}-{i}", p, params, SpecConfig(*mode))
@@ -273,13 +340,13 @@ class _InProcess:
                 seconds += time.perf_counter() - t0
                 tokens += len(out.token_ids)
             this[mode] = tokens / seconds
-            if count:
-                self.tokens[mode] += tokens
-                self.seconds[mode] += seconds
+            if layout is not None:
+                self.tokens[(layout, mode)] = self.tokens.get((layout, mode), 0) + tokens
+                self.seconds[(layout, mode)] = self.seconds.get((layout, mode), 0.0) + seconds
         return this
 
-    def totals(self) -> dict[Mode, float]:
-        return {m: self.tokens[m] / self.seconds[m] for m in self.tokens}
+    def totals(self) -> dict[tuple[str, Mode], float]:
+        return {key: self.tokens[key] / self.seconds[key] for key in self.tokens}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -289,163 +356,274 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+# A result's key: (layout, draft_ahead, workload, temperature, concurrency, mode).
+Key = tuple[str, bool, str, float, int, Mode]
+
+
 def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompt_sets = {"code": CODE_PROMPTS, "prose": PROSE_QUESTIONS}
     if cfg.quick:
         prompt_sets = {w: p[:2] for w, p in prompt_sets.items()}
-    concurrencies = (1, 4) if cfg.quick else cfg.concurrencies
+    concurrencies = cfg.concurrencies
     repeats = 1 if cfg.quick else cfg.repeats
     groups = [(w, t) for w in cfg.workloads for t in cfg.temperatures]
     in_process = ("code", 0.0) in groups and 1 in concurrencies
+    first_way = cfg.draft_ahead[0]  # "none" is measured on this stack
     inproc = None
     if in_process:
         print("loading the in-process engine ...", flush=True)
         inproc = _InProcess(cfg, prompt_sets["code"])
-    print(f"starting draft, target (--max-batch-size {cfg.batch_size}) and gateway ({cfg.dtype}) ...", flush=True)
-    stack = _Stack(cfg)
-    results: dict[tuple, LoadResult] = {}
-    pass_shares: dict[Mode, list[float]] = {m: [] for m in cfg.modes[1:]}
-    try:
-        for w, t in groups:  # warm-up, not counted
-            for mode in cfg.modes:
-                asyncio.run(_load(stack.url, w, t, 2, mode, cfg, prompt_sets[w][:2]))
-        for rep in range(repeats):
-            for w, t in groups:
-                c1 = {}
-                # Concurrency 1 first and the in-process pass right after it: the two speed-ups that
-                # are compared are then measured within a minute of each other.
-                order = sorted(concurrencies, key=lambda c: c != 1)
-                for n, c in enumerate(order):
-                    for mode in cfg.modes:
-                        r = asyncio.run(_load(stack.url, w, t, c, mode, cfg, prompt_sets[w]))
-                        key = (w, t, c, mode)
-                        if key in results:
-                            _merge(results[key], r)
-                        else:
-                            results[key] = r
-                        if c == 1:
-                            c1[mode] = r.tokens_per_second
-                        print(
-                            f"  pass {rep + 1}: {w:5s} T={t:<4} concurrency {c:2d} {_mode(mode):11s} "
-                            f"{r.tokens_per_second:7.1f} tok/s",
-                            flush=True,
-                        )
-                    if n == 0 and inproc is not None and (w, t) == ("code", 0.0):
-                        ip = inproc.run_pass()
-                        print(
-                            f"  pass {rep + 1}: in-process     "
-                            + "  ".join(f"{_mode(m)} {v:7.1f}" for m, v in ip.items())
-                            + " tok/s",
-                            flush=True,
-                        )
-                        for m in pass_shares:
-                            pass_shares[m].append(round((c1[m] / c1[cfg.modes[0]]) / (ip[m] / ip[cfg.modes[0]]), 3))
-    finally:
-        stack.stop()
-    doc = _document(cfg, results, inproc.totals() if inproc else {}, groups, concurrencies)
-    for m, shares in pass_shares.items():
-        if shares:
-            doc["concurrency_1"][_mode(m)]["share_kept_per_pass"] = shares
-    (out / "serve_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
-    _plot(doc, out / "serve_bench.png")
+    results: dict[Key, LoadResult] = {}
+    pass_shares: dict[tuple[str, bool, Mode], list[float]] = {}
+    prepared: dict[tuple[str, bool], float | None] = {}
+    for pinned in cfg.pin_cores:
+        layout = _layout(pinned)
+        cores = CorePlan.parse("auto") if pinned else None
+        client = cores.draft if cores else None  # the load generator shares the gateway's core
+        print(
+            f"{layout}: starting draft, target (--max-batch-size {cfg.batch_size}) and gateway ({cfg.dtype}), "
+            f"drafting {' and '.join(_way(a) for a in cfg.draft_ahead)} ...",
+            flush=True,
+        )
+        stacks: dict[bool, _Stack] = {}
+        try:
+            for ahead in cfg.draft_ahead:
+                stacks[ahead] = _Stack(cfg, ahead, cores)
+            with _on_cores(client):
+                for stack in stacks.values():  # warm-up, not counted
+                    for w, t in groups:
+                        for mode in cfg.modes:
+                            asyncio.run(_load(stack.url, w, t, 2, mode, cfg, prompt_sets[w][:2]))
+            for rep in range(repeats):
+                for w, t in groups:
+                    c1: dict[tuple[bool, Mode], float] = {}
+                    # Concurrency 1 first and the in-process pass right after it: the speed-ups that
+                    # are compared are then measured within a minute of each other.
+                    order = sorted(concurrencies, key=lambda c: c != 1)
+                    for n, c in enumerate(order):
+                        for mode in cfg.modes:
+                            for ahead, stack in stacks.items():
+                                if mode == cfg.modes[0] and ahead != first_way:
+                                    continue
+                                with _on_cores(client):
+                                    r = asyncio.run(_load(stack.url, w, t, c, mode, cfg, prompt_sets[w]))
+                                key = (layout, ahead, w, t, c, mode)
+                                if key in results:
+                                    _merge(results[key], r)
+                                else:
+                                    results[key] = r
+                                if c == 1:
+                                    c1[(ahead, mode)] = r.tokens_per_second
+                                way = f" {_way(ahead):7s}" if len(stacks) > 1 and mode != cfg.modes[0] else " " * 8
+                                print(
+                                    f"  {layout} pass {rep + 1}: {w:5s} T={t:<4} concurrency {c:2d} {_mode(mode):11s}"
+                                    f"{way} {r.tokens_per_second:7.1f} tok/s",
+                                    flush=True,
+                                )
+                        if n == 0 and inproc is not None and (w, t) == ("code", 0.0):
+                            with _on_cores(cores.target if cores else None, len(cores.target) if cores else None):
+                                ip = inproc.run_pass(layout)
+                            print(
+                                f"  {layout} pass {rep + 1}: in-process     "
+                                + "  ".join(f"{_mode(m)} {v:7.1f}" for m, v in ip.items())
+                                + " tok/s",
+                                flush=True,
+                            )
+                            base = c1[(first_way, cfg.modes[0])] / ip[cfg.modes[0]]
+                            for (ahead, m), v in c1.items():
+                                if m != cfg.modes[0]:
+                                    share = round((v / ip[m]) / base, 3)
+                                    pass_shares.setdefault((layout, ahead, m), []).append(share)
+            for ahead, stack in stacks.items():
+                prepared[(layout, ahead)] = stack.prepared_share()
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    doc = _document(cfg, results, inproc.totals() if inproc else {}, groups, concurrencies, prepared)
+    for (layout, ahead, m), shares in pass_shares.items():
+        doc["concurrency_1"][_c1_label(cfg, layout, ahead, m)]["share_kept_per_pass"] = shares
+    (out / f"{cfg.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    _plot(doc, out / f"{cfg.name}.png")
     print(render(doc))
-    print(f"wrote {out / 'serve_bench.json'} and {out / 'serve_bench.png'}")
+    print(f"wrote {out / (cfg.name + '.json')} and {out / (cfg.name + '.png')}")
     return doc
 
 
-def _document(cfg: ServeBenchConfig, results, inproc: dict[Mode, float], groups, concurrencies) -> dict:
+def _c1_label(cfg: ServeBenchConfig, layout: str, ahead: bool, mode: Mode) -> str:
+    """The concurrency-1 table's key: the mode alone when only one layout and one way were run."""
+    if len(cfg.pin_cores) == 1 and len(cfg.draft_ahead) == 1:
+        return _mode(mode)
+    if mode == cfg.modes[0]:
+        return f"{_mode(mode)}, {layout}"
+    return f"{_mode(mode)}, {_way(ahead)}, {layout}"
+
+
+def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, groups, concurrencies, prepared) -> dict:
     rows = []
     verdicts = []
-    for w, t in groups:
-        for c in concurrencies:
-            base = results[(w, t, c, cfg.modes[0])]
-            for mode in cfg.modes:
-                r = results[(w, t, c, mode)]
-                rows.append(
-                    {
-                        "workload": w,
-                        "temperature": t,
-                        "concurrency": c,
-                        "method": mode[0],
-                        "k": mode[1],
-                        "mode": _mode(mode),
-                        "requests": len(r.ttft),
-                        "tokens": r.tokens,
-                        "tokens_per_second": round(r.tokens_per_second, 1),
-                        "speedup": round(r.tokens_per_second / base.tokens_per_second, 3),
-                        "ttft_ms_p50": round(1000 * statistics.median(r.ttft), 2),
-                        "tbt_ms_p50": round(1000 * _pct(r.gaps, 0.5), 2),
-                        "tbt_ms_p99": round(1000 * _pct(r.gaps, 0.99), 2),
-                        "acceptance_rate": round(r.accepted / r.proposed, 3) if r.proposed else None,
-                        "mean_k": round(r.mean_k_sum / r.passes, 3) if r.passes else 0.0,
-                    }
-                )
-            if cfg.auto:
-                auto = results[(w, t, c, cfg.modes[-1])].tokens_per_second
-                others = {_mode(m): results[(w, t, c, m)].tokens_per_second for m in cfg.modes[:-1]}
-                best = max(others, key=others.get)
-                verdicts.append(
-                    {
-                        "workload": w,
-                        "temperature": t,
-                        "concurrency": c,
-                        "best_other": best,
-                        "auto_vs_best": round(auto / others[best], 3),
-                        "auto_vs_none": round(auto / others["none"], 3),
-                        "fixed_k_losing_to_none": [m for m, v in others.items() if m != "none" and v < others["none"]],
-                    }
-                )
-    c1_modes = {m: inproc[m] for m in cfg.modes} if inproc else {}
+    ahead_rows = []
+    first_way = cfg.draft_ahead[0]
+    combos = [(_layout(p), a) for p in cfg.pin_cores for a in cfg.draft_ahead]
+    for layout, ahead in combos:
+        for w, t in groups:
+            for c in concurrencies:
+                base = results[(layout, first_way, w, t, c, cfg.modes[0])]
+                for mode in cfg.modes:
+                    if mode == cfg.modes[0] and ahead != first_way:
+                        continue
+                    r = results[(layout, ahead, w, t, c, mode)]
+                    rows.append(
+                        {
+                            "workload": w,
+                            "temperature": t,
+                            "concurrency": c,
+                            "method": mode[0],
+                            "k": mode[1],
+                            "mode": _mode(mode),
+                            "layout": layout,
+                            "draft_ahead": ahead if mode != cfg.modes[0] else None,
+                            "requests": len(r.ttft),
+                            "tokens": r.tokens,
+                            "tokens_per_second": round(r.tokens_per_second, 1),
+                            "speedup": round(r.tokens_per_second / base.tokens_per_second, 3),
+                            "ttft_ms_p50": round(1000 * statistics.median(r.ttft), 2),
+                            "tbt_ms_p50": round(1000 * _pct(r.gaps, 0.5), 2),
+                            "tbt_ms_p99": round(1000 * _pct(r.gaps, 0.99), 2),
+                            "acceptance_rate": round(r.accepted / r.proposed, 3) if r.proposed else None,
+                            "mean_k": round(r.mean_k_sum / r.passes, 3) if r.passes else 0.0,
+                        }
+                    )
+                if cfg.auto:
+                    auto = results[(layout, ahead, w, t, c, cfg.modes[-1])].tokens_per_second
+                    others = {_mode(m): results[(layout, ahead, w, t, c, m)].tokens_per_second for m in cfg.modes[1:-1]}
+                    others["none"] = base.tokens_per_second
+                    best = max(others, key=others.get)
+                    verdicts.append(
+                        {
+                            "workload": w,
+                            "temperature": t,
+                            "concurrency": c,
+                            "layout": layout,
+                            "draft_ahead": ahead,
+                            "best_other": best,
+                            "auto_vs_best": round(auto / others[best], 3),
+                            "auto_vs_none": round(auto / others["none"], 3),
+                            "fixed_k_losing_to_none": [
+                                m for m, v in others.items() if m != "none" and v < others["none"]
+                            ],
+                        }
+                    )
+    # Drafting ahead against drafting in turn, on the same layout, pass for pass the same machine.
+    if set(cfg.draft_ahead) == {False, True}:
+        for pinned in cfg.pin_cores:
+            layout = _layout(pinned)
+            for w, t in groups:
+                for c in concurrencies:
+                    base = results[(layout, first_way, w, t, c, cfg.modes[0])].tokens_per_second
+                    for mode in cfg.modes[1:]:
+                        on = results[(layout, True, w, t, c, mode)].tokens_per_second
+                        off = results[(layout, False, w, t, c, mode)].tokens_per_second
+                        ahead_rows.append(
+                            {
+                                "workload": w,
+                                "temperature": t,
+                                "concurrency": c,
+                                "layout": layout,
+                                "mode": _mode(mode),
+                                "speedup_in_turn": round(off / base, 3),
+                                "speedup_ahead": round(on / base, 3),
+                                "ahead_vs_in_turn": round(on / off, 3),
+                                "prepared_share": None
+                                if prepared.get((layout, True)) is None
+                                else round(prepared[(layout, True)], 3),
+                            }
+                        )
     per_mode = {}
     if inproc:
-        base_ip = inproc[cfg.modes[0]]
-        base_st = results[("code", 0.0, 1, cfg.modes[0])].tokens_per_second
-        for m, ip in c1_modes.items():
-            st = results[("code", 0.0, 1, m)].tokens_per_second
-            entry = {
-                "in_process_tokens_per_second": round(ip, 1),
-                "stack_tokens_per_second": round(st, 1),
-                "overhead_ms_per_token": round(1000 * (1 / st - 1 / ip), 3),
-            }
-            if m != cfg.modes[0]:
-                e2e, local = st / base_st, ip / base_ip
-                entry |= {
-                    "in_process_speedup": round(local, 3),
-                    "stack_speedup": round(e2e, 3),
-                    "share_of_in_process_speedup_kept": round(e2e / local, 3),
+        for layout, ahead in combos:
+            if (layout, cfg.modes[0]) not in inproc:
+                continue
+            base_ip = inproc[(layout, cfg.modes[0])]
+            base_st = results[(layout, first_way, "code", 0.0, 1, cfg.modes[0])].tokens_per_second
+            for m in cfg.modes:
+                if m == cfg.modes[0] and ahead != first_way:
+                    continue
+                ip = inproc[(layout, m)]
+                st = results[(layout, ahead, "code", 0.0, 1, m)].tokens_per_second
+                entry = {
+                    "layout": layout,
+                    "draft_ahead": ahead if m != cfg.modes[0] else None,
+                    "in_process_tokens_per_second": round(ip, 1),
+                    "stack_tokens_per_second": round(st, 1),
+                    "overhead_ms_per_token": round(1000 * (1 / st - 1 / ip), 3),
                 }
-            per_mode[_mode(m)] = entry
-    return {"config": asdict(cfg), "rows": rows, "auto_vs_others": verdicts, "concurrency_1": per_mode}
+                if m != cfg.modes[0]:
+                    e2e, local = st / base_st, ip / base_ip
+                    entry |= {
+                        "in_process_speedup": round(local, 3),
+                        "stack_speedup": round(e2e, 3),
+                        "share_of_in_process_speedup_kept": round(e2e / local, 3),
+                    }
+                per_mode[_c1_label(cfg, layout, ahead, m)] = entry
+    return {
+        "config": asdict(cfg),
+        "host": {"cpu_cores": os.cpu_count(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
+        "rows": rows,
+        "auto_vs_others": verdicts,
+        "ahead_vs_in_turn": ahead_rows,
+        "prepared_share": {f"{layout}, {_way(a)}": v for (layout, a), v in prepared.items()},
+        "concurrency_1": per_mode,
+    }
 
 
 def render(doc: dict) -> str:
     """Markdown tables (the README's)."""
+    several = len({(r["layout"], r["draft_ahead"]) for r in doc["rows"] if r["draft_ahead"] is not None}) > 1
+    extra_head = " layout | draft |" if several else ""
     lines = [
         "| workload | T | concurrency | speculation | tokens/s | speed-up | mean k | acceptance | TTFT p50 (ms) "
-        "| TBT p50 (ms) | TBT p99 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TBT p50 (ms) | TBT p99 (ms) |" + extra_head,
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else ""),
     ]
     for r in doc["rows"]:
         acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        extra = ""
+        if several:
+            extra = f" {r['layout']} | {'' if r['draft_ahead'] is None else _way(r['draft_ahead'])} |"
         lines.append(
             f"| {r['workload']} | {r['temperature']:g} | {r['concurrency']} | {r['mode']} | "
             f"{r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['mean_k']:.2f} | {acc} | "
-            f"{r['ttft_ms_p50']:.1f} | {r['tbt_ms_p50']:.2f} | {r['tbt_ms_p99']:.2f} |"
+            f"{r['ttft_ms_p50']:.1f} | {r['tbt_ms_p50']:.2f} | {r['tbt_ms_p99']:.2f} |" + extra
         )
+    if doc.get("ahead_vs_in_turn"):
+        lines += [
+            "",
+            "| layout | workload | T | concurrency | speculation | speed-up in turn | speed-up ahead "
+            "| ahead / in turn | share of rounds from a prepared block |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for v in doc["ahead_vs_in_turn"]:
+            share = "" if v["prepared_share"] is None else f"{100 * v['prepared_share']:.0f}%"
+            lines.append(
+                f"| {v['layout']} | {v['workload']} | {v['temperature']:g} | {v['concurrency']} | {v['mode']} | "
+                f"{v['speedup_in_turn']:.2f}x | {v['speedup_ahead']:.2f}x | **{v['ahead_vs_in_turn']:.2f}x** | "
+                f"{share} |"
+            )
     if doc.get("auto_vs_others"):
         lines += [
             "",
             "| workload | T | concurrency | best of none / fixed k | auto / best | auto / none "
-            "| fixed k slower than none |",
-            "|---|---|---|---|---|---|---|",
+            "| fixed k slower than none |" + extra_head,
+            "|---|---|---|---|---|---|---|" + ("---|---|" if several else ""),
         ]
         for v in doc["auto_vs_others"]:
+            extra = f" {v['layout']} | {_way(v['draft_ahead'])} |" if several else ""
             lines.append(
                 f"| {v['workload']} | {v['temperature']:g} | {v['concurrency']} | {v['best_other']} | "
                 f"**{v['auto_vs_best']:.2f}x** | {v['auto_vs_none']:.2f}x | "
-                f"{', '.join(v['fixed_k_losing_to_none']) or '-'} |"
+                f"{', '.join(v['fixed_k_losing_to_none']) or '-'} |" + extra
             )
     c1 = doc["concurrency_1"]
     if not c1:
@@ -476,28 +654,40 @@ def render(doc: dict) -> str:
 
 
 def _plot(doc: dict, path: Path) -> None:
-    """Tokens/s against concurrency, one line per mode, one panel per (workload, temperature)."""
+    """Tokens/s against concurrency, one line per mode (and way of drafting), one panel per
+    (workload, temperature, layout)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = list(dict.fromkeys((r["workload"], r["temperature"]) for r in doc["rows"]))
+    groups = list(dict.fromkeys((r["workload"], r["temperature"], r["layout"]) for r in doc["rows"]))
+    layouts = {g[2] for g in groups}
+    ways = {r["draft_ahead"] for r in doc["rows"] if r["draft_ahead"] is not None}
     cols = min(3, len(groups))
     nrows = (len(groups) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
-    for ax, (w, t) in zip(axes.flat, groups):
-        rows = [r for r in doc["rows"] if r["workload"] == w and r["temperature"] == t]
-        for mode in dict.fromkeys(r["mode"] for r in rows):
-            pts = sorted((r["concurrency"], r["tokens_per_second"]) for r in rows if r["mode"] == mode)
+    for ax, (w, t, layout) in zip(axes.flat, groups):
+        rows = [r for r in doc["rows"] if (r["workload"], r["temperature"], r["layout"]) == (w, t, layout)]
+        for mode, ahead in dict.fromkeys((r["mode"], r["draft_ahead"]) for r in rows):
+            pts = sorted(
+                (r["concurrency"], r["tokens_per_second"])
+                for r in rows
+                if (r["mode"], r["draft_ahead"]) == (mode, ahead)
+            )
             style = {"lw": 2.6, "color": "black"} if mode.startswith("auto") else {"lw": 1.2}
             if mode == "none":
                 style = {"lw": 2.0, "ls": "--", "color": "grey"}
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, **style)
+            if ahead:
+                style = {**style, "ls": "-."}
+                style.pop("color", None)
+            label = mode if len(ways) < 2 or ahead is None else f"{mode}, {_way(ahead)}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, **style)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("tokens/s (all streams)")
-        ax.set_title(f"{w}, {'greedy' if t == 0 else f'T = {t:g}'}")
+        title = f"{w}, {'greedy' if t == 0 else f'T = {t:g}'}"
+        ax.set_title(title if len(layouts) < 2 else f"{title}, {layout}")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(groups) :]:
         ax.axis("off")

@@ -246,26 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 0
     if args.serve:
-        from specd.benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
-
-        run_serve_bench(
-            ServeBenchConfig(
-                target=args.target,
-                draft=args.draft,
-                dtype=args.dtype,
-                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5),
-                auto=not args.no_auto,
-                max_tokens=args.max_tokens,
-                concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
-                workloads=tuple(w.strip() for w in args.workloads.split(",")),
-                temperatures=tuple(float(t) for t in (args.temperatures or "0").split(",")),
-                max_batch_size=args.max_batch_size,
-                repeats=args.repeats or 3,
-                out_dir=args.out,
-                quick=args.quick,
-            )
-        )
-        return 0
+        return _serve_bench(args)
     from specd.benchmarks.engine_bench import BenchConfig, run_engine_bench
 
     cfg = BenchConfig(
@@ -281,6 +262,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
         include_hf=not args.no_hf,
     )
     run_engine_bench(cfg)
+    return 0
+
+
+def _on_off_list(flag: str, value: str) -> tuple[bool, ...]:
+    """``off``, ``on``, ``off,on`` (each once) as booleans, in order."""
+    words = tuple(w.strip() for w in value.split(","))
+    if not words or any(w not in ("on", "off") for w in words) or len(set(words)) != len(words):
+        raise ValueError(f"{flag}: off, on or off,on; got {value!r}")
+    return tuple(w == "on" for w in words)
+
+
+def _serve_bench(args: argparse.Namespace) -> int:
+    """``bench --serve``: one run per pair (``--pairs``), or the --target/--draft (or --pair) models."""
+    from specd.benchmarks.serve_bench import ServeBenchConfig, run_serve_bench
+    from specd.services.model_store.fetch import resolve_pair
+
+    draft_ahead = _on_off_list("--draft-ahead", args.draft_ahead)
+    pin_cores = _on_off_list("--pin-cores", args.pin_cores)
+    studying = len(draft_ahead) > 1 or any(draft_ahead) or any(pin_cores)
+    runs = [(args.pair or "", args.target, args.draft)]
+    if args.pairs:
+        runs = []
+        for name in (n.strip() for n in args.pairs.split(",")):
+            paths = resolve_pair(name)
+            runs.append((name, str(paths.target), str(paths.draft)))
+    for name, target, draft in runs:
+        # The drafting-ahead study writes its own files, per pair; the plain run keeps serve_bench.json.
+        out_name = "serve_bench" if not studying else "serve_bench_ahead" + (f"_{name}" if name else "")
+        if args.quick and studying:
+            out_name += "_quick"
+        run_serve_bench(
+            ServeBenchConfig(
+                target=target,
+                draft=draft,
+                dtype=args.dtype,
+                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (1, 2, 3, 4, 5),
+                auto=not args.no_auto,
+                max_tokens=args.max_tokens,
+                concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
+                workloads=tuple(w.strip() for w in args.workloads.split(",")),
+                temperatures=tuple(float(t) for t in (args.temperatures or "0").split(",")),
+                max_batch_size=args.max_batch_size,
+                repeats=args.repeats or 3,
+                out_dir=args.out,
+                quick=args.quick,
+                draft_ahead=draft_ahead,
+                pin_cores=pin_cores,
+                name=out_name,
+            )
+        )
     return 0
 
 
@@ -338,6 +369,7 @@ def cmd_target(args: argparse.Namespace) -> int:
         draft_round_timeout=args.draft_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
         quantize=_quantize(args.quantize),
+        draft_ahead=args.draft_ahead == "on",
     )
     serve(cfg)
     return 0
@@ -384,6 +416,7 @@ def _check_capacity(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from specd.services.common.affinity import CorePlan
     from specd.services.serve import ServeConfig, serve
 
     _check_capacity(args)
@@ -411,6 +444,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             kv_cache_memory=args.kv_cache_memory,
             prefill_chunk=args.prefill_chunk,
+            draft_ahead=args.draft_ahead == "on",
+            pin_cores=CorePlan.parse(args.pin_cores) if args.pin_cores else None,
         )
     )
 
@@ -496,6 +531,19 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: one per core)")
     p.add_argument("--served-model-name", default=None)
     _add_pair_arg(p)
+
+
+def _add_draft_ahead_arg(p: argparse.ArgumentParser) -> None:
+    from specd.services.target.draft_client import DRAFT_AHEAD_DEFAULT
+
+    default = "on" if DRAFT_AHEAD_DEFAULT else "off"
+    p.add_argument(
+        "--draft-ahead",
+        choices=["on", "off"],
+        default=default,
+        help="the draft service drafts each sequence's next block while the target verifies, for the likeliest "
+        f"outcomes, and answers at once when it guessed right; the output is the same (default {default})",
+    )
 
 
 def _add_capacity_args(p: argparse.ArgumentParser) -> None:
@@ -599,6 +647,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-size", type=int, default=None, help="--serve: the target's (default: the largest concurrency)"
     )
     b.add_argument("--no-auto", action="store_true", help="--serve: skip the auto method")
+    b.add_argument(
+        "--draft-ahead",
+        default="off",
+        help="--serve: drafting in turn (off), ahead (on), or both side by side (off,on); default off",
+    )
+    b.add_argument(
+        "--pin-cores",
+        default="off",
+        help="--serve: unpinned (off), draft + gateway and target on disjoint cores, one thread each (on), "
+        "or both (off,on); default off",
+    )
+    b.add_argument("--pairs", default=None, help="--serve: one run per known pair, e.g. demo,qwen2.5-coder")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("draft", help="run the gRPC draft service")
@@ -633,6 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{FIXED_NUM_TOKENS} otherwise)",
     )
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
+    _add_draft_ahead_arg(t)
     t.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -692,6 +753,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's own)"
     )
     _add_kv_args(s)
+    _add_draft_ahead_arg(s)
+    s.add_argument(
+        "--pin-cores",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="DRAFT:TARGET",
+        help="run the draft (with the gateway) and the target on disjoint cores, as many threads as cores: "
+        "alone, the first two usable cores, one each; or core lists, e.g. 0:1 or 0-1:2-7",
+    )
     s.set_defaults(func=cmd_serve)
     m = sub.add_parser("models", help="fetch and list the known model pairs")
     msub = m.add_subparsers(dest="models_command", required=True)
@@ -715,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         args.concurrency_given = args.concurrency is not None
-        args.concurrency = args.concurrency or "1,4,16"
+        args.concurrency = args.concurrency or ("1,4" if args.serve and args.quick else "1,4,16")
         args.k_given = args.k is not None
         args.k = args.k or "1,2,3,4,5,6,7,8"
     if getattr(args, "model", "unset") is None:

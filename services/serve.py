@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specd.services.common.affinity import CorePlan, pin_then
 from specd.services.common.constants import DEFAULT_DTYPE
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT
 from specd.services.common.process import die_with_parent, specd_command
@@ -48,6 +49,8 @@ class ServeConfig:
     kv_cache_memory: int | None = None  # bytes of each model's KV pool; None: the services' default
     prefill_chunk: int | None = None  # None: the services' default
     startup_timeout: float = 300.0
+    draft_ahead: bool = False  # the draft prepares each sequence's next block while the target verifies
+    pin_cores: CorePlan | None = None  # draft + gateway and the target on disjoint cores (None: unpinned)
 
 
 def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
@@ -68,7 +71,9 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
     cmds = []
     if cfg.draft:
         draft = model_service("draft", cfg.draft, cfg.draft_port, cfg.draft_metrics_port, cfg.draft_dtype or cfg.dtype)
-        if cfg.device == "cpu":
+        if cfg.pin_cores is not None:
+            draft += ["--threads", str(cfg.draft_threads or cfg.pin_cores.threads_of("draft"))]
+        elif cfg.device == "cpu":
             # Sharing the cores with the target, a one-thread draft measured faster (its steps on a
             # 2.5M model gain nothing from a second thread, and its idle OpenMP threads get in the
             # target's way): direct gRPC 308-330 vs 298-309 tok/s with the draft, 174 vs 157-165 without;
@@ -86,7 +91,14 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
         target += ["--quantize", cfg.quantize]
     target += ["--max-batch-size", str(cfg.max_batch_size), "--max-waiting", str(cfg.max_waiting)]
     if cfg.draft:
-        target += ["--draft-address", f"127.0.0.1:{cfg.draft_port}"]
+        target += [
+            "--draft-address",
+            f"127.0.0.1:{cfg.draft_port}",
+            "--draft-ahead",
+            "on" if cfg.draft_ahead else "off",
+        ]
+    if cfg.pin_cores is not None:
+        target += ["--threads", str(cfg.pin_cores.threads_of("target"))]
     cmds.append(("target", target))
     gw = [
         *specd_command("gateway"),
@@ -103,6 +115,19 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
         gw += ["--api-key", cfg.api_key]
     cmds.append(("gateway", gw))
     return cmds
+
+
+def child_options(cfg: ServeConfig, name: str, env: dict[str, str]) -> dict:
+    """``subprocess.Popen`` options of one child: its own process group, gone with its parent, and
+    with ``--pin-cores`` restricted to its side's cores with as many OpenMP threads."""
+    if cfg.pin_cores is None:
+        return {"env": env, "process_group": 0, "preexec_fn": die_with_parent}
+    threads = str(cfg.pin_cores.threads_of(name))
+    return {
+        "env": {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
+        "process_group": 0,
+        "preexec_fn": pin_then(cfg.pin_cores.cores_of(name), die_with_parent),
+    }
 
 
 def _healthy(url: str) -> bool:
@@ -164,7 +189,7 @@ def _run(
 ) -> int:
     """Start the children into ``procs`` and watch them until a signal; the exit status so far."""
     for name, cmd in _commands(cfg):
-        procs.append((name, subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=die_with_parent)))
+        procs.append((name, subprocess.Popen(cmd, **child_options(cfg, name, env))))
     health = f"http://127.0.0.1:{cfg.port}/health"
     deadline = time.monotonic() + cfg.startup_timeout
     while not is_stopping() and not _healthy(health):
@@ -176,6 +201,9 @@ def _run(
     if is_stopping():
         return 0
     host = "localhost" if cfg.host in ("0.0.0.0", "127.0.0.1") else cfg.host
+    if cfg.pin_cores is not None:
+        d, t = (",".join(map(str, sorted(c))) for c in (cfg.pin_cores.draft, cfg.pin_cores.target))
+        print(f"specd serve: draft and gateway on cores {d}, target on cores {t}", flush=True)
     print(
         f"specd is ready: http://{host}:{cfg.port}/v1 (OpenAI API)  |  metrics: gateway :{cfg.port}/metrics, "
         f"target :{cfg.target_metrics_port}/metrics"

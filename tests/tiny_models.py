@@ -106,11 +106,21 @@ def build_tiny_pair(root: Path, noise: float = 0.05) -> tuple[Path, Path]:
     return _save(target, tok, root / "tiny-target"), _save(draft, tok, root / "tiny-draft")
 
 
-def build_micro_pair(root: Path) -> tuple[Path, Path]:
-    """Write micro-target/ and micro-draft/ (12-token vocabulary) under root."""
+def build_micro_pair(root: Path, draft_noise: float | None = None) -> tuple[Path, Path]:
+    """Write micro-target/ and micro-draft/ (12-token vocabulary) under root.
+
+    ``draft_noise``: the draft is the target with this much noise on its weights (relative to each
+    weight's scale), so it guesses the target's likely tokens; None: an unrelated random model."""
     tok = micro_tokenizer()
     target = _llama(len(tok), 32, 2, 4, 4, seed=3, logit_scale=4.0)
-    draft = _llama(len(tok), 32, 1, 4, 4, seed=4, logit_scale=4.0)
+    if draft_noise is None:
+        draft = _llama(len(tok), 32, 1, 4, 4, seed=4, logit_scale=4.0)
+    else:
+        draft = _llama(len(tok), 32, 2, 4, 4, seed=3, logit_scale=4.0)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for p in draft.parameters():
+                p.add_(draft_noise * p.std() * torch.randn(p.shape, generator=g))
     return _save(target, tok, root / "micro-target"), _save(draft, tok, root / "micro-draft")
 
 

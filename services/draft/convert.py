@@ -8,6 +8,11 @@ from specd.v1 import draft_pb2
 
 _ERRORS = {e: draft_pb2.DraftError.Value(f"DRAFT_ERROR_{e.name}") for e in BlockError if e is not BlockError.NONE}
 _ERRORS[BlockError.NONE] = draft_pb2.DRAFT_ERROR_UNSPECIFIED
+_SOURCES = {
+    "fresh": draft_pb2.BLOCK_SOURCE_FRESH,
+    "prepared": draft_pb2.BLOCK_SOURCE_PREPARED,
+    "continued": draft_pb2.BLOCK_SOURCE_CONTINUED,
+}
 
 
 def opens_from_pb(rnd: draft_pb2.DraftRound) -> list[OpenSeq]:
@@ -16,13 +21,23 @@ def opens_from_pb(rnd: draft_pb2.DraftRound) -> list[OpenSeq]:
 
 def rows_from_pb(rnd: draft_pb2.DraftRound) -> list[ProposeReq]:
     return [
-        ProposeReq(r.sequence_id, r.num_accepted, list(r.new_token_ids), r.committed_length, r.num_tokens, r.round_seed)
+        ProposeReq(
+            r.sequence_id,
+            r.num_accepted,
+            list(r.new_token_ids),
+            r.committed_length,
+            r.num_tokens,
+            r.round_seed,
+            r.next_round_seed,
+        )
         for r in rnd.rows
     ]
 
 
 def block_to_pb(b: BlockOut) -> draft_pb2.Block:
     msg = draft_pb2.Block(sequence_id=b.seq_id, token_ids=b.token_ids, error=_ERRORS[b.error])
+    if b.token_ids:
+        msg.source = _SOURCES[b.source]
     for ids, probs in zip(b.sparse_ids, b.sparse_probs):
         msg.probs.add(token_ids=ids.tolist(), probs=probs.tolist())
     return msg

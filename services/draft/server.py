@@ -55,10 +55,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if err is not BlockError.NONE:
                 errors[seq.seq_id] = err
         reqs = [r for r in convert.rows_from_pb(rnd) if r.seq_id not in errors]
-        blocks = self.worker.propose(stream, reqs) if reqs else []
+        blocks = self.worker.propose(stream, reqs, rnd.draft_ahead) if reqs else []
         blocks += [BlockOut(s, error=e) for s, e in errors.items()]
         if rnd.rows:
             metrics.DRAFT_BLOCK_SECONDS.observe(time.perf_counter() - t0)
+            for b in blocks:
+                if b.token_ids:
+                    metrics.DRAFT_BLOCKS.labels(source=b.source).inc()
         metrics.DRAFT_SEQUENCES.set(self.worker.active)
         return convert.blocks_to_pb(rnd.round_id, blocks)
 
@@ -71,8 +74,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         stream = uuid.uuid4().hex[:12]
         # Headers at once: the target counts a stream as up (its health) from the moment they arrive.
         await context.send_initial_metadata(())
+        inbox: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(_read_into(request_iterator, inbox))
         try:
-            async for rnd in request_iterator:
+            while True:
+                rnd = await self._next_round(stream, inbox)
+                if rnd is None:
+                    return
                 try:
                     blocks = self._round(stream, rnd)
                 except Exception:
@@ -81,13 +89,40 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 yield blocks
         finally:
             # Runs on normal close, on cancellation and when the target dies: nothing leaks.
+            reader.cancel()
             self._close_stream(stream)
+
+    async def _next_round(self, stream: str, inbox: asyncio.Queue) -> draft_pb2.DraftRound | None:
+        """The stream's next round (None at its end). Until it comes, draft ahead one batched step
+        at a time (services/draft/ahead.py), giving the event loop a turn after each, so a round
+        that arrives waits at most for the step in flight."""
+        while inbox.empty() and self.worker.ahead_pending(stream):
+            t0 = time.perf_counter()
+            if self.worker.ahead_step(stream):
+                metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
+            await asyncio.sleep(0)
+        item = await inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def Health(self, request, context):
         return common_pb2.HealthResponse(serving=not self.drain.draining)
 
     async def Info(self, request, context):
         return self.info
+
+
+async def _read_into(request_iterator, inbox: asyncio.Queue) -> None:
+    """Move a stream's requests into ``inbox``, then None at its end (or the error that ended it)."""
+    try:
+        async for rnd in request_iterator:
+            inbox.put_nowait(rnd)
+        inbox.put_nowait(None)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        inbox.put_nowait(e)
 
 
 def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoResponse]:

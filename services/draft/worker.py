@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specd.services.draft.ahead import AheadLane, Claim
 from specd.services.engine.drafters import DraftRow, ModelDrafter
 from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
 from specd.services.engine.sampling import BatchSampling, SamplingParams
@@ -46,6 +47,7 @@ class ProposeReq:
     committed_length: int
     k: int
     round_seed: int
+    next_round_seed: int = 0  # the seed the sequence's next round will carry (for drafting ahead)
 
 
 @dataclass
@@ -55,6 +57,8 @@ class BlockOut:
     sparse_ids: list[np.ndarray] = field(default_factory=list)  # per guess, for sampled rows
     sparse_probs: list[np.ndarray] = field(default_factory=list)
     error: BlockError = BlockError.NONE
+    source: str = "fresh"  # "fresh", "prepared" (drafted ahead, complete) or "continued" (finished this round)
+    alternatives: list[int] = field(default_factory=list)  # per guess its runner-up (when drafting ahead)
 
 
 @dataclass
@@ -78,6 +82,7 @@ class DraftWorker:
         self.max_k = max_k
         self.vocab = drafter.vocab_size
         self.states: dict[str, _State] = {}
+        self.lanes: dict[str, AheadLane] = {}  # per stream: the blocks it prepares between rounds
 
     @staticmethod
     def key(stream: str, seq_id: str) -> str:
@@ -91,7 +96,7 @@ class DraftWorker:
         k = self.key(stream, seq_id)
         if self.states.pop(k, None) is None:
             return False
-        self.drafter.remove(k)
+        self._forget(k)
         return True
 
     def release_stream(self, stream: str) -> int:
@@ -100,8 +105,40 @@ class DraftWorker:
         keys = [k for k in self.states if k.startswith(prefix)]
         for k in keys:
             self.states.pop(k)
-            self.drafter.remove(k)
+            self._forget(k)
+        lane = self.lanes.pop(stream, None)
+        if lane is not None:
+            lane.drop_all()
         return len(keys)
+
+    def _forget(self, key: str) -> None:
+        lane = self.lanes.get(key.split("/", 1)[0])
+        if lane is not None:
+            lane.drop(key)
+        self.drafter.remove(key)
+
+    # ------------------------------------------------------------------ drafting ahead
+
+    def lane(self, stream: str) -> AheadLane:
+        lane = self.lanes.get(stream)
+        if lane is None:
+            lane = self.lanes[stream] = AheadLane(self.drafter, self.support, self.max_k, self._spare_blocks)
+        return lane
+
+    def _spare_blocks(self) -> int:
+        """Cache blocks prepared branches may take: all but two per held sequence (room for their
+        next fresh blocks)."""
+        return self.drafter.cache.free_blocks - 2 * len(self.states)
+
+    def ahead_pending(self, stream: str) -> bool:
+        """Whether the stream has prepared work left to draft (the servicer steps it between rounds)."""
+        lane = self.lanes.get(stream)
+        return lane is not None and lane.pending()
+
+    def ahead_step(self, stream: str) -> bool:
+        """One batched step of the stream's prepared blocks; False when there was nothing to do."""
+        lane = self.lanes.get(stream)
+        return lane is not None and lane.step()
 
     def open(self, stream: str, seq: OpenSeq) -> BlockError:
         """Start a sequence; BlockError.NONE on success."""
@@ -113,38 +150,60 @@ class DraftWorker:
         if len(seq.token_ids) >= self.max_len:
             return BlockError.CONTEXT_FULL
         if self.drafter.free_slots == 0:
+            for lane in self.lanes.values():  # prepared branches give their slots up first
+                lane.drop_all()
+        if self.drafter.free_slots == 0:
             return BlockError.NO_CAPACITY
         self.drafter.add(k, seq.token_ids)
         self.states[k] = _State(list(seq.token_ids), seq.params)
         return BlockError.NONE
 
     @torch.inference_mode()
-    def propose(self, stream: str, reqs: list[ProposeReq]) -> list[BlockOut]:
-        """Apply each row's accepted count and new tokens, then propose all rows in one batch."""
+    def propose(self, stream: str, reqs: list[ProposeReq], ahead: bool = False) -> list[BlockOut]:
+        """Apply each row's accepted count and new tokens, then propose all rows in one batch.
+
+        A row whose outcome a prepared branch guessed gets that branch's block (services/draft/ahead.py).
+        ``ahead``: after this round, prepare each row's next block while the target verifies.
+        """
         out: dict[str, BlockOut] = {}
         rows: list[DraftRow] = []
         params: list[SamplingParams] = []
-        # Sized like the target's passes: about this round's own work (one step per guess per row).
+        claims: list[tuple[Claim, int]] = []
+        lane = self.lane(stream)
         keys = [self.key(stream, r.seq_id) for r in reqs]
+        lane.round_started(set(keys))
+        # Sized like the target's passes: about this round's own work (one step per guess per row).
         decoding = sum(r.k for r, k in zip(reqs, keys) if k in self.states and self.drafter.ready(k))
         self.drafter.prefill(chunk_budget(self.prefill_chunk, decoding))
-        for r in reqs:
-            k = self.key(stream, r.seq_id)
+        for r, k in zip(reqs, keys):
             st = self.states.get(k)
             if st is None:
                 out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.UNKNOWN_SEQUENCE)
                 continue
-            if self.drafter.has_proposed(k):
-                self.drafter.accepted(k, r.num_accepted)
             st.tokens.extend(r.new_token_ids)
             if len(st.tokens) != r.committed_length or not 0 < r.k <= self.max_k:
                 # Out of sync (or a bad k): drop the sequence; the target re-opens it.
                 self.release(stream, r.seq_id)
                 out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.OUT_OF_SYNC)
                 continue
-            if len(st.tokens) + r.k > self.max_len:
+            fits = len(st.tokens) + r.k <= self.max_len
+            claim = lane.claim(k, st.tokens, r.round_seed, r.k) if fits else None
+            if claim is None:
+                lane.drop(k)
+                if self.drafter.has_proposed(k):
+                    self.drafter.accepted(k, r.num_accepted)
+            if not fits:
                 # The context only grows: the target stops asking (and releases it).
                 out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.CONTEXT_FULL)
+                continue
+            if claim is not None:
+                if claim.branch.holder == k:
+                    self.drafter.proposed(k, len(st.tokens))
+                else:
+                    self.drafter.adopt(k, claim.branch.holder, len(st.tokens))
+                    claim.branch.holder = k
+                claims.append((claim, r.k))
+                out[r.seq_id] = BlockOut(r.seq_id, source="prepared" if claim.ready else "continued")
                 continue
             if not self.drafter.ready(k):
                 out[r.seq_id] = BlockOut(r.seq_id)  # still prefilling: no guesses this round, no error
@@ -155,17 +214,38 @@ class DraftWorker:
             out[r.seq_id] = BlockOut(r.seq_id)
         if rows:
             sampling = BatchSampling.from_params(params, self.drafter.model.device)
-            prop = self.drafter.propose(rows, sampling)
+            prop = self.drafter.propose(rows, sampling, alternatives=ahead)
             token_ids = prop.token_ids.tolist()  # [B, K], one host copy for the whole round
+            alts = prop.alternatives.tolist() if prop.alternatives is not None else None
             ids = probs = None
             if prop.probs is not None:
                 ids, probs = (t.cpu().numpy() for t in to_sparse(prop.probs, self.support))  # [B, K, m]
             for i, row in enumerate(rows):
                 b = out[row.seq_id.split("/", 1)[1]]
-                b.token_ids = token_ids[i][: row.k]
+                # A row whose cache blocks ran out got no guesses (-1): it proposes nothing.
+                n = sum(t >= 0 for t in token_ids[i][: row.k])
+                b.token_ids = token_ids[i][:n]
+                if alts is not None:
+                    b.alternatives = alts[i][:n]
                 if ids is not None and not row.greedy:
-                    for j in range(row.k):
+                    for j in range(n):
                         keep = probs[i, j] > 0.0  # the wire carries only the support
                         b.sparse_ids.append(ids[i, j][keep])
                         b.sparse_probs.append(probs[i, j][keep])
+        if claims:
+            lane.finish([(c, k) for c, k in claims if not c.ready])
+            for c, k in claims:
+                seq_id = c.plan.key.split("/", 1)[1]
+                br = c.branch
+                b = out[seq_id]
+                b.token_ids, b.alternatives = br.tokens[:k], br.alternatives[:k]
+                b.sparse_ids, b.sparse_probs = br.sparse_ids[:k], br.sparse_probs[:k]
+        if ahead:
+            for r, k in zip(reqs, keys):
+                b = out[r.seq_id]
+                st = self.states.get(k)
+                # Room for the next block past a whole accepted one: else nothing to prepare for.
+                if st is None or b.error or not b.token_ids or len(st.tokens) + 2 * r.k + 2 > self.max_len:
+                    continue
+                lane.plan(k, len(st.tokens), b.token_ids, b.alternatives, st.params, r.next_round_seed)
         return [out[r.seq_id] for r in reqs]

@@ -45,6 +45,9 @@ class Proposal:
     token_ids: torch.Tensor  # [B, K] long
     # [B, K, V] float32, the same sparse (a remote draft's, as it came), or None for point-mass guesses
     probs: torch.Tensor | SparseProbs | None
+    # [B, K] long: per position the draft's best token other than its guess (the likeliest
+    # replacement if the target rejects it), when asked for; a draft service prepares for it.
+    alternatives: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -70,6 +73,12 @@ class Drafter(Protocol):
 
     def close(self) -> None:
         """Release what the drafter holds outside this process (streams, channels); idempotent."""
+
+
+def runner_up(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` [B, V], the likeliest token other than ``chosen`` [B]."""
+    top2 = logits.topk(2, dim=-1).indices  # [B, 2]
+    return torch.where(top2[:, 0] == chosen, top2[:, 1], top2[:, 0])
 
 
 def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
@@ -228,29 +237,74 @@ class ModelDrafter:
         """Whether a proposal was made for this sequence since it was added."""
         return self.seqs[seq_id].fed_until > 0
 
+    # ------------------------------------------------------------------ prepared branches
+    # A draft service drafting ahead (services/draft/ahead.py) writes past the last proposal and
+    # keeps side branches in slots of their own; these keep the rollback bookkeeping right.
+
+    def slot_of(self, seq_id: str) -> int:
+        return self.seqs[seq_id].slot
+
+    def wrote(self, seq_id: str, until: int) -> None:
+        """Cache positions below ``until`` now hold guesses or committed tokens (written ahead)."""
+        seq = self.seqs[seq_id]
+        seq.fed_until = max(seq.fed_until, until)
+
+    def fork(self, seq_id: str, branch_id: str, length: int) -> bool:
+        """A new entry ``branch_id`` whose cache holds ``seq_id``'s first ``length`` positions
+        (shared blocks, see PagedKVCache.fork). False when the cache cannot fork or is full."""
+        if not self.cache.can_fork or self.cache.free_slots == 0:
+            return False
+        slot = self.cache.allocate()
+        if not self.cache.fork(self.seqs[seq_id].slot, slot, length):
+            self.cache.release(slot)
+            return False
+        self.seqs[branch_id] = _DraftSeq(slot=slot, cache_len=length, fed_until=length)
+        return True
+
+    def adopt(self, seq_id: str, branch_id: str, committed: int) -> None:
+        """``seq_id`` continues from branch ``branch_id`` (whose block was served on a committed
+        prefix of length ``committed``); its own slot is freed."""
+        branch = self.seqs.pop(branch_id)
+        self.cache.release(self.seqs[seq_id].slot)
+        branch.last_n = committed
+        self.seqs[seq_id] = branch
+
+    def proposed(self, seq_id: str, committed: int) -> None:
+        """A block was served for ``seq_id`` on a committed prefix of length ``committed`` from what
+        its cache holds (a prepared block of its own line)."""
+        self.seqs[seq_id].last_n = committed
+
     @torch.inference_mode()
-    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
-        """``sampling``: the rows' settings (None when every row is greedy)."""
+    def propose(
+        self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False
+    ) -> Proposal:
+        """``sampling``: the rows' settings (None when every row is greedy); ``alternatives``: also return
+        each guess's runner-up (Proposal.alternatives)."""
         # A row whose blocks for this proposal cannot be had (the pool is full) gets no guesses.
         # Every row writes guesses up to the widest block.
         K = max(r.k for r in rows)
         ok = [i for i, r in enumerate(rows) if self.cache.reserve(self.seqs[r.seq_id].slot, len(r.tokens) + K)]
         if len(ok) == len(rows):
-            return self._propose(rows, sampling)
+            return self._propose(rows, sampling, alternatives)
         token_ids = torch.full((len(rows), K), -1, dtype=torch.long, device=self.model.device)
         if not ok:
             return Proposal(token_ids[:, :0], None)
-        part = self._propose([rows[i] for i in ok], sampling.select(ok) if sampling is not None else None)
+        part = self._propose([rows[i] for i in ok], sampling.select(ok) if sampling is not None else None, alternatives)
         idx = torch.tensor(ok, device=self.model.device)
         width = part.token_ids.shape[1]
         token_ids[idx, :width] = part.token_ids
-        probs = None
+        probs = alts = None
         if part.probs is not None:
             probs = torch.zeros((len(rows), width, part.probs.shape[-1]), device=self.model.device)
             probs[idx] = part.probs
-        return Proposal(token_ids[:, :width], probs)
+        if part.alternatives is not None:
+            alts = torch.full((len(rows), width), -1, dtype=torch.long, device=self.model.device)
+            alts[idx] = part.alternatives
+        return Proposal(token_ids[:, :width], probs, alts)
 
-    def _propose(self, rows: Sequence[DraftRow], sampling: BatchSampling) -> Proposal:
+    def _propose(
+        self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False
+    ) -> Proposal:
         device = self.model.device
         B = len(rows)
         K = max(r.k for r in rows)
@@ -276,7 +330,7 @@ class ModelDrafter:
 
         logits = self.model.forward(inp.to(device), self.cache, self.cache.layout(slots, starts, M, device), "all")
         logits = logits[torch.arange(B, device=device), last_idx].unsqueeze(1)  # [B, 1, V]
-        tokens, probs = [], []
+        tokens, probs, alts = [], [], []
         for j in range(K):
             if any_sampled:
                 q = processed_probs(logits, sampling)[:, 0]  # [B, V]
@@ -287,6 +341,8 @@ class ModelDrafter:
             else:
                 tok = logits[:, 0].argmax(-1)
             tokens.append(tok)
+            if alternatives:
+                alts.append(runner_up(logits[:, 0], tok))
             if j + 1 < K:
                 positions = [len(r.tokens) + j for r in rows]
                 layout = self.cache.layout(slots, positions, 1, device)
@@ -297,4 +353,8 @@ class ModelDrafter:
         token_ids = torch.stack(tokens, dim=1)  # [B, K]
         ks = torch.tensor([r.k for r in rows], device=device)
         token_ids = torch.where(torch.arange(K, device=device)[None, :] < ks[:, None], token_ids, -1)
-        return Proposal(token_ids, torch.stack(probs, dim=1) if any_sampled else None)
+        return Proposal(
+            token_ids,
+            torch.stack(probs, dim=1) if any_sampled else None,
+            torch.stack(alts, dim=1) if alternatives else None,
+        )

@@ -97,6 +97,9 @@ class BlockTable(SlotAllocator):
     grows with :meth:`reserve` and gives everything back with :meth:`release`. Accounting only:
     :class:`PagedKVCache` adds the storage. Block ``num_blocks`` is a scratch block that every
     table entry past a sequence's own blocks points at, so a padded row's writes land there.
+
+    A slot can :meth:`fork` another's prefix (the draft service's prepared branches): full blocks
+    are then shared, counted by holders, and go back to the pool with their last holder.
     """
 
     def __init__(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> None:
@@ -105,6 +108,7 @@ class BlockTable(SlotAllocator):
         self.scratch = num_blocks
         self._free_blocks = list(range(num_blocks))  # a min-heap: low ids first keeps sequences contiguous
         self.blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self._holders: dict[int, int] = {}  # shared blocks only: how many slots hold them
         width = -(-max_len // block_size) + 1
         self.table = torch.full((num_slots, width), self.scratch, dtype=torch.long)  # host copy, rows per slot
 
@@ -137,9 +141,49 @@ class BlockTable(SlotAllocator):
     def free_positions(self, slot: int) -> None:
         """Give back every block of ``slot`` but keep the slot (a preempted sequence waits in it)."""
         for b in self.blocks[slot]:
-            heapq.heappush(self._free_blocks, b)
+            held = self._holders.get(b, 1) - 1
+            if held > 1:
+                self._holders[b] = held
+            elif held == 1:
+                del self._holders[b]
+            else:
+                heapq.heappush(self._free_blocks, b)
         self.blocks[slot] = []
         self.table[slot] = self.scratch
+
+    @property
+    def can_fork(self) -> bool:
+        """Whether :meth:`fork` can copy storage (the accounting alone cannot)."""
+        return False
+
+    def fork(self, src: int, dst: int, length: int) -> bool:
+        """Make the empty slot ``dst`` hold ``src``'s first ``length`` positions: the full blocks
+        below ``length`` are shared, the partly used one is copied into a fresh block. False (and
+        nothing taken) without a free block for the copy.
+
+        Sharing is safe only while no holder writes below ``length``: callers fork at or below every
+        position either slot will write while both exist (a prepared branch is forked where it
+        departs from the line it shares, and the line only writes further on).
+        """
+        if self.blocks[dst]:
+            raise ValueError(f"slot {dst} is not empty")
+        full, partial = divmod(length, self.block_size)
+        if partial and not self._free_blocks:
+            return False
+        shared = self.blocks[src][:full]
+        for b in shared:
+            self._holders[b] = self._holders.get(b, 1) + 1
+        own = []
+        if partial:
+            own = [heapq.heappop(self._free_blocks)]
+            self._copy_block(self.blocks[src][full], own[0])
+        self.blocks[dst] = shared + own
+        self.table[dst, : len(self.blocks[dst])] = torch.tensor(self.blocks[dst], dtype=torch.long)
+        return True
+
+    def _copy_block(self, src_block: int, dst_block: int) -> None:
+        """Hook for storage: copy one block's contents."""
+        raise NotImplementedError("this cache keeps no storage to copy")
 
     def release(self, slot: int) -> None:
         super().release(slot)
@@ -186,6 +230,16 @@ class PagedKVCache(BlockTable):
         for b in blocks:
             self.k[:, b * bs : (b + 1) * bs].zero_()
             self.v[:, b * bs : (b + 1) * bs].zero_()
+
+    @property
+    def can_fork(self) -> bool:
+        return True
+
+    def _copy_block(self, src_block: int, dst_block: int) -> None:
+        bs = self.block_size
+        s, d = slice(src_block * bs, (src_block + 1) * bs), slice(dst_block * bs, (dst_block + 1) * bs)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
 
     def layout(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu"):
         from specd.services.engine.model import PagedLayout

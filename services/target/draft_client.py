@@ -39,7 +39,7 @@ from specd.services.common.convert import sampling_to_pb
 from specd.services.common.grpc_server import CHANNEL_OPTIONS
 from specd.services.common.tls import TLSConfig, channel
 from specd.services.engine.drafters import DraftRow, Proposal
-from specd.services.engine.sampling import BatchSampling, SamplingParams
+from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed, make_generator
 from specd.services.engine.sparse import SparseProbs
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 REOPEN = (draft_pb2.DRAFT_ERROR_UNKNOWN_SEQUENCE, draft_pb2.DRAFT_ERROR_OUT_OF_SYNC)  # open it again next round
 NEVER_AGAIN = (draft_pb2.DRAFT_ERROR_CONTEXT_FULL, draft_pb2.DRAFT_ERROR_INVALID_CONTEXT)  # stop asking for it
 LATER = (draft_pb2.DRAFT_ERROR_NO_CAPACITY, draft_pb2.DRAFT_ERROR_DRAINING)  # open it again after a pause
+# Drafting ahead is off unless asked for (--draft-ahead on): it pays when the draft has cores of its
+# own (specd serve --pin-cores, separate machines); on shared cores its extra steps take the
+# target's cycles. README, "Drafting ahead", has the measurements this default rests on.
+DRAFT_AHEAD_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,25 @@ class DraftClientConfig:
     retry_initial: float = 0.25  # backoff after a failure, doubling up to retry_max
     retry_max: float = 4.0
     tls: TLSConfig | None = None  # mutual TLS to the drafts (None: plaintext)
+    # Ask the drafts to draft each sequence's next block while this target verifies
+    # (services/draft/ahead.py); the output is the same either way.
+    draft_ahead: bool = DRAFT_AHEAD_DEFAULT
+
+
+@dataclass(frozen=True)
+class DraftRoundReport:
+    """What one round of remote guesses cost the target, for its metrics."""
+
+    wait_seconds: float  # from sending the round to the last reply (or the timeout)
+    blocks: dict[str, int]  # blocks received by source: "fresh", "prepared", "continued"
+
+
+BLOCK_SOURCE_NAMES = {
+    draft_pb2.BLOCK_SOURCE_UNSPECIFIED: "fresh",  # a draft that does not say (an older one) drafted it fresh
+    draft_pb2.BLOCK_SOURCE_FRESH: "fresh",
+    draft_pb2.BLOCK_SOURCE_PREPARED: "prepared",
+    draft_pb2.BLOCK_SOURCE_CONTINUED: "continued",
+}
 
 
 class StreamStates:
@@ -224,6 +247,11 @@ class _SeqState:
     num_accepted: int = 0  # of the last proposal, to report next round
     full: bool = False  # no draft can take it any more (its context outgrew the draft's): never asked again
     retry_at: float = 0.0  # refused for want of room: not asked again before then
+    # The sequence's round seeds (sampled rows): a stream of its own, seeded once from the request's
+    # draft stream, so the next round's seed is known a round early (a draft drafting ahead needs
+    # it) and every seed still comes from the request's own seeded stream.
+    seeds: torch.Generator | None = None
+    next_seed: int = 0
 
 
 class RemoteDrafter:
@@ -236,6 +264,7 @@ class RemoteDrafter:
         device: torch.device | str = "cpu",
         on_failure: Callable[[str], None] | None = None,
         states: StreamStates | None = None,
+        on_round: Callable[[DraftRoundReport], None] | None = None,
     ) -> None:
         if not cfg.addresses:
             raise ValueError("at least one draft address is needed")
@@ -247,6 +276,8 @@ class RemoteDrafter:
         self.endpoints = [DraftEndpoint(a, cfg, self.states) for a in cfg.addresses]
         for e in self.endpoints:
             e.open_stream()
+        self.on_round = on_round or (lambda report: None)
+        self.blocks_by_source = {"fresh": 0, "prepared": 0, "continued": 0}  # since start, for tests and tools
         self.seqs: dict[str, _SeqState] = {}
         self._round_ids = itertools.count(1)
 
@@ -301,7 +332,8 @@ class RemoteDrafter:
             round_id = next(self._round_ids)
             ep.stream.send(self._round_msg(ep, round_id, [(rows[i], k) for i, k in asks]))
             pending.append((ep, round_id, [i for i, _ in asks]))
-        deadline = time.monotonic() + self.cfg.round_timeout
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.round_timeout
         blocks: dict[int, draft_pb2.Block] = {}  # row -> its block
         for ep, round_id, idx in pending:
             reply = ep.stream.receive(round_id, deadline) if ep.stream is not None else None
@@ -317,6 +349,13 @@ class RemoteDrafter:
         for i, b in blocks.items():
             n = min(len(b.token_ids), rows[i].k)
             token_ids[i, :n] = torch.tensor(b.token_ids[:n], dtype=torch.long)
+        if pending:
+            sources = dict.fromkeys(self.blocks_by_source, 0)
+            for b in blocks.values():
+                sources[BLOCK_SOURCE_NAMES.get(b.source, "fresh")] += 1
+            for source, n in sources.items():
+                self.blocks_by_source[source] += n
+            self.on_round(DraftRoundReport(time.monotonic() - t0, sources))
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
@@ -370,7 +409,7 @@ class RemoteDrafter:
             st.endpoint.assigned -= 1
             self._release(st.endpoint, seq_id)
             new.assigned += 1
-            self.seqs[seq_id] = _SeqState(new, st.sampling, full=st.full)
+            self.seqs[seq_id] = _SeqState(new, st.sampling, full=st.full, seeds=st.seeds, next_seed=st.next_seed)
 
     def _failed(self, ep: DraftEndpoint, why: str) -> None:
         log.warning("draft %s failed (%s); decoding without its guesses", ep.address, why)
@@ -404,9 +443,19 @@ class RemoteDrafter:
         self._release(st.endpoint, seq_id)
 
     def _round_msg(self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]]) -> draft_pb2.DraftRound:
-        msg = draft_pb2.DraftRound(round_id=round_id)
+        msg = draft_pb2.DraftRound(round_id=round_id, draft_ahead=self.cfg.draft_ahead)
         for r, k in asks:
             st = self.seqs[r.seq_id]
+            seed = next_seed = 0
+            if r.seed is not None:
+                # The sequence's own seed stream, started from its first round's seed: the next
+                # round's seed is known a round early (for drafting ahead), and seeded requests
+                # stay reproducible.
+                if st.seeds is None:
+                    st.seeds = make_generator(r.seed)
+                    st.next_seed = draw_seed(st.seeds)
+                seed, st.next_seed = st.next_seed, draw_seed(st.seeds)
+                next_seed = st.next_seed
             if r.seq_id not in ep.opened:
                 msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
                 ep.opened.add(r.seq_id)
@@ -417,7 +466,8 @@ class RemoteDrafter:
                 new_token_ids=r.tokens[st.known :],
                 committed_length=len(r.tokens),
                 num_tokens=k,
-                round_seed=r.seed or 0,
+                round_seed=seed,
+                next_round_seed=next_seed,
             )
             st.known, st.num_accepted = len(r.tokens), 0
         return msg

@@ -15,6 +15,7 @@ from collections import deque
 from prometheus_client import Counter, Gauge, Histogram
 
 from specd.services.engine.engine import DRAFTER_LABELS, StepOutput
+from specd.services.target.draft_client import DraftRoundReport
 
 DRAFT_TOKENS = Counter("specd_spec_draft_tokens", "Draft tokens proposed and verified")
 ACCEPTED_TOKENS = Counter("specd_spec_accepted_tokens", "Draft tokens the target accepted")
@@ -66,6 +67,21 @@ REQUESTS_REJECTED = Counter(
     "Generate calls refused before admission (queue_full: running and waiting at capacity)",
     ["reason"],
 )
+DRAFT_WAIT_SECONDS = Histogram(
+    "specd_draft_wait_seconds",
+    "Time the target waited for a draft service's guesses in one round (from sending the round's "
+    "outcome to the last reply); a draft drafting ahead answers a guessed outcome at once",
+    buckets=(0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0, 2.0),
+)
+DRAFT_BLOCKS_RECEIVED = Counter(
+    "specd_spec_draft_blocks",
+    "Per-sequence blocks of guesses received from draft services, by how the draft made them: fresh "
+    "(when the round came), prepared (drafted ahead, complete) or continued (drafted ahead in part); "
+    "share served by a prepared block: (prepared + continued) / all",
+    ["source"],
+)
+for _source in ("fresh", "prepared", "continued"):
+    DRAFT_BLOCKS_RECEIVED.labels(source=_source)  # exported as 0 from the start
 DRAFT_FAILURES = Counter(
     "specd_draft_failures",
     "Rounds in which a draft endpoint failed or timed out (decoded without guesses)",
@@ -122,3 +138,11 @@ class SpecExporter:
     @staticmethod
     def set_kv_slots(n: int) -> None:
         KV_SLOTS_USED.set(n)
+
+
+def record_draft_round(report: DraftRoundReport) -> None:
+    """One round of remote guesses: the target's wait, and how each block was made (engine thread)."""
+    DRAFT_WAIT_SECONDS.observe(report.wait_seconds)
+    for source, n in report.blocks.items():
+        if n:
+            DRAFT_BLOCKS_RECEIVED.labels(source=source).inc(n)

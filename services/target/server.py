@@ -49,6 +49,7 @@ class TargetServerConfig(ServiceConfig):
     quantize: str | None = None  # "int8" | "int4": serve the target quantized at load
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     tls: TLSConfig | None = None  # mutual TLS for this server and for its channels to the drafts
+    draft_ahead: bool = False  # the drafts prepare each sequence's next block while this target verifies
 
     @property
     def admission(self) -> Admission:
@@ -110,11 +111,14 @@ def load_engine(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> En
     drafter = None
     if draft_endpoints:
         drafter = RemoteDrafter(
-            DraftClientConfig(draft_endpoints, round_timeout=cfg.draft_round_timeout, tls=cfg.tls),
+            DraftClientConfig(
+                draft_endpoints, round_timeout=cfg.draft_round_timeout, tls=cfg.tls, draft_ahead=cfg.draft_ahead
+            ),
             target.info.vocab_size,
             target.device,
             on_failure=lambda address: metrics.DRAFT_FAILURES.labels(endpoint=address).inc(),
             states=StreamStates(),
+            on_round=metrics.record_draft_round,
         )
         for a in drafter.addresses:
             metrics.DRAFT_FAILURES.labels(endpoint=a)  # exported as 0 from the start

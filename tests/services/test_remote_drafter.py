@@ -33,14 +33,16 @@ def micro_draft_service(micro_pair) -> Iterator[str]:
         grpc_thread.close()
 
 
-def _remote_engine(micro_pair, address: str, wait: bool = True) -> Engine:
+def _remote_engine(micro_pair, address: str, wait: bool = True, draft_ahead: bool = False) -> Engine:
     """``wait``: until the stream to the draft is up (a target serves long after that)."""
     import time
 
     import torch
 
     target = load_model(str(micro_pair[0]), torch.float32, "cpu")
-    drafter = RemoteDrafter(DraftClientConfig((address,), round_timeout=30.0), target.info.vocab_size)
+    drafter = RemoteDrafter(
+        DraftClientConfig((address,), round_timeout=30.0, draft_ahead=draft_ahead), target.info.vocab_size
+    )
     deadline = time.monotonic() + 30
     while wait and not drafter.endpoints[0].up:
         assert time.monotonic() < deadline, "the draft stream never came up"
@@ -76,8 +78,11 @@ def test_remote_sparse_speculation_matches_target(micro_pair, micro_draft_servic
     assert _chi2_pvalue(counts, exact) > 1e-3
 
 
-def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_service) -> None:
-    engine = _remote_engine(micro_pair, micro_draft_service)
+@pytest.mark.parametrize("draft_ahead", [False, True], ids=["in-turn", "ahead"])
+def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_service, draft_ahead: bool) -> None:
+    """Greedy output equals the target alone, drafting in turn and drafting ahead (the draft
+    process steps its prepared blocks between rounds, over the real stream)."""
+    engine = _remote_engine(micro_pair, micro_draft_service, draft_ahead)
     try:
         prompts = [(3, 7, 5, 9), (1, 2, 3), (4, 4, 4, 4, 4), (11, 0, 6)]
         spec = engine.generate(
@@ -92,11 +97,14 @@ def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_service) -> N
                 for i, p in enumerate(prompts)
             ]
         )
+        sources = engine.drafters["draft"].blocks_by_source
     finally:
         engine.close()
     assert sum(r.stats.proposed_tokens for r in spec.values()) > 0
     for i in range(len(prompts)):
         assert spec[f"s{i}"].token_ids == base[f"b{i}"].token_ids
+    served_ahead = sources["prepared"] + sources["continued"]
+    assert served_ahead > 0 if draft_ahead else served_ahead == 0, sources
 
 
 def test_draft_asked_again_with_nothing_new_answers_and_keeps_the_stream(micro_draft_service) -> None:

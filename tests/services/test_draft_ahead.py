@@ -1,0 +1,292 @@
+"""Drafting ahead stays lossless (services/draft/ahead.py).
+
+- A prepared block is the block a fresh draft makes on the same committed prefix with the same
+  round seed: same guesses, same q (so the rejection rule sees exactly the q each guess was drawn
+  from), for every outcome the draft prepared for, greedy and sampled.
+- Through the real servicer and the target's client (in process, every prepared block finished
+  before the next round): the sampling law of the output is the target's, greedy output equals the
+  target alone, and a seeded request gives the same tokens with drafting ahead on and off.
+- The bookkeeping: shared cache blocks go back with their last holder, nothing leaks on release, and
+  the policy widens, narrows and switches itself off as the spare time allows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specd.services.draft.ahead import MAX_WIDTH, PAUSE_ROUNDS, STARVED_ROUNDS, AheadPolicy
+from specd.services.draft.server import DraftServerConfig, build_worker
+from specd.services.draft.worker import DraftWorker, OpenSeq, ProposeReq
+from specd.services.engine.builder import load_tokenizer
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.kv_cache import PagedKVCache
+from specd.services.engine.model import load_model
+from specd.services.engine.sampling import SamplingParams
+from specd.services.engine.sparse import to_dense
+from tests.engine.test_sampling_distribution import PROMPT, _chi2_pvalue
+from tests.services.loopback import loopback_drafter
+from tests.tiny_models import build_micro_pair
+
+N_SAMPLES = 4000
+
+
+def _worker(draft_dir, support: int = 8) -> DraftWorker:
+    worker, _ = build_worker(DraftServerConfig(model=str(draft_dir), port=0, dtype="float32", support=support))
+    return worker
+
+
+def _fresh_block(draft_dir, committed: list[int], params: SamplingParams, k: int, seed: int, worker=None):
+    """The block a draft that never drafted ahead makes on ``committed`` with ``seed`` (in a
+    sequence of its own on ``worker``, a fresh worker if None)."""
+    w = worker or _worker(draft_dir)
+    seq = f"fresh{len(w.states)}"
+    assert w.open("f", OpenSeq(seq, committed, params)) == ""
+    while not w.drafter.ready(w.key("f", seq)):
+        w.drafter.prefill(64)
+    (b,) = w.propose("f", [ProposeReq(seq, 0, [], len(committed), k, seed)])
+    return b
+
+
+def _dense(b, vocab: int) -> torch.Tensor:
+    return torch.stack(
+        [to_dense(torch.tensor(i), torch.tensor(p), vocab) for i, p in zip(b.sparse_ids, b.sparse_probs)]
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_every_prepared_block_is_the_block_a_fresh_draft_makes(tiny_pair, temperature: float) -> None:
+    draft_dir = tiny_pair[1]
+    params = SamplingParams(temperature, top_p=0.95 if temperature else 1.0)
+    prompt = [5, 17, 99, 23, 8, 41, 77, 3]
+    k, seed1, seed2 = 4, 11, 12345
+    w = _worker(draft_dir)
+    w.open("s", OpenSeq("x", prompt, params))
+    key = w.key("s", "x")
+    while not w.drafter.ready(key):
+        w.drafter.prefill(64)
+    (first,) = w.propose("s", [ProposeReq("x", 0, [], len(prompt), k, seed1, seed2)], ahead=True)
+    assert len(first.token_ids) == k and len(first.alternatives) == k
+    lane = w.lanes["s"]
+    lane.policy.width = MAX_WIDTH
+    lane.plans[key].width = MAX_WIDTH
+    while w.ahead_step("s"):
+        pass
+    plan = lane.plans[key]
+    # Main line, second bonus token, a rejection at every position: k + 2 outcomes prepared.
+    assert len(plan.branches) == k + 2
+    vocab = w.vocab
+    other = _worker(draft_dir)
+    for br in plan.branches:
+        assert len(br.tokens) == k
+        committed = prompt + list(br.suffix)
+        fresh = _fresh_block(draft_dir, committed, params, k, seed2, other)
+        assert br.tokens == fresh.token_ids, br.suffix
+        if temperature:
+            got = _dense(type(fresh)("x", br.tokens, br.sparse_ids, br.sparse_probs), vocab)
+            torch.testing.assert_close(got, _dense(fresh, vocab), atol=1e-5, rtol=1e-4)
+    # The outcome of one branch arrives: that branch answers at once, with the same block.
+    br = plan.branches[1]  # the rejection at position 1
+    (second,) = w.propose(
+        "s",
+        [ProposeReq("x", len(br.suffix) - 1, list(br.suffix), len(prompt) + len(br.suffix), k, seed2, 777)],
+        ahead=True,
+    )
+    assert second.source == "prepared" and second.token_ids == br.tokens
+    # Its siblings' slots went back; the sequence holds one slot again (plus the new plan's forks
+    # only once a step runs).
+    assert set(w.drafter.seqs) == {key}
+
+
+def test_a_branch_prepared_in_part_is_finished_when_its_outcome_arrives(tiny_pair) -> None:
+    draft_dir = tiny_pair[1]
+    params = SamplingParams(0.0)
+    prompt = [5, 17, 99, 23, 8, 41, 77, 3]
+    w = _worker(draft_dir)
+    w.open("s", OpenSeq("x", prompt, params))
+    key = w.key("s", "x")
+    while not w.drafter.ready(key):
+        w.drafter.prefill(64)
+    (first,) = w.propose("s", [ProposeReq("x", 0, [], len(prompt), 3, 0)], ahead=True)
+    assert w.ahead_step("s") and w.ahead_step("s")  # the bonus step, then one guess of the main line
+    main = w.lanes["s"].plans[key].branches[0]
+    assert main.holder == key and len(main.tokens) == 1
+    outcome = list(first.token_ids) + [main.suffix[-1]]
+    (second,) = w.propose("s", [ProposeReq("x", 3, outcome, len(prompt) + 4, 5, 0)], ahead=False)
+    assert second.source == "continued"
+    assert second.token_ids == _fresh_block(draft_dir, prompt + outcome, params, 5, 0).token_ids
+
+
+def test_no_matching_branch_drafts_afresh_and_the_rollback_is_right(tiny_pair) -> None:
+    """An outcome nobody guessed: the prepared work is dropped and the fresh block equals a draft
+    that never drafted ahead (the cache was rolled back past the positions written ahead)."""
+    draft_dir = tiny_pair[1]
+    params = SamplingParams(0.0)
+    prompt = [5, 17, 99, 23, 8, 41, 77, 3]
+    w = _worker(draft_dir)
+    w.open("s", OpenSeq("x", prompt, params))
+    key = w.key("s", "x")
+    while not w.drafter.ready(key):
+        w.drafter.prefill(64)
+    (first,) = w.propose("s", [ProposeReq("x", 0, [], len(prompt), 3, 0)], ahead=True)
+    while w.ahead_step("s"):
+        pass
+    guessed = {b.suffix for b in w.lanes["s"].plans[key].branches}
+    bonus = next(t for t in range(w.vocab) if (*first.token_ids, t) not in guessed)
+    outcome = list(first.token_ids) + [bonus]
+    (second,) = w.propose("s", [ProposeReq("x", 3, outcome, len(prompt) + 4, 3, 0)])
+    assert second.source == "fresh"
+    assert second.token_ids == _fresh_block(draft_dir, prompt + outcome, params, 3, 0).token_ids
+    assert set(w.drafter.seqs) == {key}
+
+
+def test_releasing_frees_every_branch_and_shared_block(tiny_pair) -> None:
+    w = _worker(tiny_pair[1])
+    free = w.drafter.cache.free_blocks
+    prompt = list(range(3, 3 + 70))  # spans several cache blocks: the forks share full ones
+    for i in range(3):
+        w.open("s", OpenSeq(f"x{i}", prompt, SamplingParams(0.0)))
+    while not all(w.drafter.ready(w.key("s", f"x{i}")) for i in range(3)):
+        w.drafter.prefill(256)
+    w.propose("s", [ProposeReq(f"x{i}", 0, [], len(prompt), 4, 0) for i in range(3)], ahead=True)
+    for plan in w.lanes["s"].plans.values():
+        plan.width = MAX_WIDTH
+    while w.ahead_step("s"):
+        pass
+    assert len(w.drafter.seqs) > 3
+    assert w.release("s", "x0")
+    assert len(w.drafter.seqs) == 2 * 6  # the two others and their five branches each
+    assert w.release_stream("s") == 2
+    assert not w.drafter.seqs and w.drafter.cache.free_blocks == free and w.drafter.free_slots == 64
+
+
+def test_fork_shares_full_blocks_copies_the_partial_one_and_frees_with_the_last_holder() -> None:
+    cache = PagedKVCache(1, 3, 8, 4, 64, 1, 2, torch.float32)
+    a = cache.allocate()
+    assert cache.reserve(a, 10)  # blocks for positions 0..9: three of four positions each
+    cache.k[0, :] = torch.arange(cache.k.shape[1], dtype=torch.float32)[:, None, None]
+    b = cache.allocate()
+    assert cache.fork(a, b, 6)  # positions 0..5: block 0 shared, block 1 copied
+    assert cache.blocks[b][0] == cache.blocks[a][0] and cache.blocks[b][1] != cache.blocks[a][1]
+    src, dst = cache.blocks[a][1], cache.blocks[b][1]
+    assert torch.equal(cache.k[0, dst * 4 : dst * 4 + 4], cache.k[0, src * 4 : src * 4 + 4])
+    assert cache.free_blocks == 8 - 4
+    cache.release(a)  # the shared block stays with b
+    assert cache.free_blocks == 8 - 2
+    cache.release(b)
+    assert cache.free_blocks == 8
+
+
+def test_policy_widens_narrows_and_pauses() -> None:
+    p = AheadPolicy(width=2, max_width=4)
+    p.observe(steps=5, complete=True, idle_seconds=0.01, step_seconds=0.001)
+    assert p.planned_width() == 3
+    p.observe(steps=5, complete=True, idle_seconds=0.0001, step_seconds=0.001)  # finished just in time
+    assert p.planned_width() == 3
+    p.observe(steps=3, complete=False, idle_seconds=0.0, step_seconds=0.001)
+    assert p.planned_width() == 2
+    for _ in range(STARVED_ROUNDS):  # rounds keep arriving before a useful step is done
+        p.observe(steps=1, complete=False, idle_seconds=0.0, step_seconds=0.001)
+        p.round()
+    assert p.planned_width() == 0
+    for _ in range(PAUSE_ROUNDS):
+        p.round()
+    assert p.planned_width() == 1
+
+
+# ----------------------------------------------------------------------- through the client
+
+
+def _loopback_engine(pair, draft_ahead: bool, support: int = 4) -> Engine:
+    target = load_model(str(pair[0]), torch.float32, "cpu")
+    drafter, _ = loopback_drafter(str(pair[1]), target.info.vocab_size, draft_ahead, support)
+    return Engine(target, load_tokenizer(str(pair[0])), None, EngineConfig(64, 64), drafter=drafter)
+
+
+def _exact_joint4(target_dir, params: SamplingParams) -> np.ndarray:
+    """P(t1..t4 | PROMPT) under the target with the requested processing, [V, V, V, V]."""
+    import itertools
+
+    from transformers import AutoModelForCausalLM
+
+    from specd.services.engine.sampling import BatchSampling, processed_probs
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    V = hf.config.vocab_size
+    joint = torch.ones(())
+    for n in range(4):
+        prefixes = list(itertools.product(range(V), repeat=n))
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1:]
+        p = processed_probs(logits, BatchSampling.from_params([params] * len(prefixes)))[:, 0].double()
+        joint = joint.reshape(-1, 1) * p
+    return joint.reshape((V,) * 4).numpy()
+
+
+@pytest.fixture(scope="module")
+def close_micro_pair(tmp_path_factory) -> tuple:
+    """The micro pair with a draft that resembles its target (so outcomes are often guessed)."""
+    return build_micro_pair(tmp_path_factory.mktemp("close-micro"), draft_noise=0.3)
+
+
+def test_sampling_law_with_drafting_ahead(close_micro_pair) -> None:
+    """k = 1 and four tokens: the main line (all accepted, the draft's bonus), the second bonus and
+    the rejection branch all serve blocks in the later rounds; the joints of tokens 1-3 and 2-4
+    are the target's."""
+    params = SamplingParams(temperature=0.6, top_p=0.95)
+    exact = _exact_joint4(close_micro_pair[0], params)
+    engine = _loopback_engine(close_micro_pair, draft_ahead=True)
+    reqs = [
+        Request(
+            f"r{i}", PROMPT, SamplingParams(0.6, 0, 0.95, seed=i, max_tokens=4, ignore_eos=True), SpecConfig("draft", 1)
+        )
+        for i in range(N_SAMPLES)
+    ]
+    try:
+        res = engine.generate(reqs)
+        sources = engine.drafters["draft"].blocks_by_source
+    finally:
+        engine.drafters["draft"].close()
+    assert sources["prepared"] > 150, sources  # about 300 expected
+    proposed = sum(r.stats.proposed_tokens for r in res.values())
+    accepted = sum(r.stats.accepted_tokens for r in res.values())
+    assert 0.1 < accepted / proposed < 0.95, "the test needs both accepts and rejects"
+    V = engine.target.info.vocab_size
+    counts = np.zeros((V,) * 4)
+    for r in res.values():
+        counts[tuple(r.token_ids)] += 1
+    assert _chi2_pvalue(counts.sum(axis=3), exact.sum(axis=3)) > 1e-3
+    assert _chi2_pvalue(counts.sum(axis=0), exact.sum(axis=0)) > 1e-3
+
+
+def test_greedy_identity_and_seeded_repeats_with_drafting_ahead(tiny_pair) -> None:
+    """Greedy output equals the target alone; seeded sampled output is token for token the same
+    with drafting ahead on and off (the prepared blocks are the blocks a fresh draft makes)."""
+    prompts = [(5, 17, 99, 23), (1, 2, 3), (40, 40, 40, 40, 40), (11, 0, 6, 300)]
+    greedy = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
+    outs, sources = {}, {}
+    for ahead in (False, True):
+        engine = _loopback_engine(tiny_pair, ahead, support=16)
+        try:
+            reqs = [Request(f"g{i}", p, greedy, SpecConfig("draft", 4)) for i, p in enumerate(prompts)]
+            reqs += [
+                Request(
+                    f"s{i}",
+                    p,
+                    SamplingParams(0.6, top_k=20, seed=i, max_tokens=40, ignore_eos=True),
+                    SpecConfig("draft", 3),
+                )
+                for i, p in enumerate(prompts)
+            ]
+            res = engine.generate(reqs)
+            sources[ahead] = dict(engine.drafters["draft"].blocks_by_source)
+        finally:
+            engine.drafters["draft"].close()
+        outs[ahead] = {rid: r.token_ids for rid, r in res.items()}
+    base = engine.generate([Request(f"b{i}", p, greedy, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert outs[True][f"g{i}"] == base[f"b{i}"].token_ids
+    assert outs[True] == outs[False]
+    assert sources[True]["prepared"] >= 20, sources  # 44 of 99 blocks here (the schedule is deterministic)
+    assert sources[False]["prepared"] == sources[False]["continued"] == 0
