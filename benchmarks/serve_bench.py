@@ -55,7 +55,6 @@ from specd.services.common.affinity import CorePlan
 from specd.services.common.constants import DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.common.ports import free_ports
 from specd.services.common.process import stop_process_group
-from specd.services.common.runtime import DEFAULT_SPINCOUNT
 from specd.services.engine.engine import EngineConfig, Request, SpecConfig
 from specd.services.engine.sampling import SamplingParams
 
@@ -163,7 +162,7 @@ class _Stack:
         tag = f"{_layout(cores is not None)}-{'ahead' if draft_ahead else 'in-turn'}"
         self.log = open(Path(cfg.out_dir) / f"{cfg.name}.{tag}.log.tmp", "wb")  # noqa: SIM115
         self.procs: list[subprocess.Popen] = []
-        env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)}
+        env = dict(os.environ)  # GOMP_SPINCOUNT included: each child is the CLI, which sets it (runtime.py)
         try:
             for name, cmd in _commands(serve_cfg):
                 if name == "target":  # every concurrent stream in one batch

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specd.services.common.process import specd_command
+
 PROMPT = "def fibonacci(n):\n"
 
 
@@ -64,7 +66,7 @@ def time_to_first_byte(cmd: list[str]) -> float:
 
 def run_startup_bench(cfg: StartupConfig) -> StartupResult:
     """Cold starts of ``specd generate`` interleaved with bare ``import torch`` processes."""
-    generate = [sys.executable, "-m", "specd.services.cli", "generate", "--pair", cfg.pair, "--prompt", PROMPT]
+    generate = specd_command("generate", "--pair", cfg.pair, "--prompt", PROMPT)
     generate += ["--max-tokens", "8", "--temperature", "0"]
     torch_only = [sys.executable, "-c", "import torch, sys; sys.stdout.write('x')"]
     result = StartupResult(cfg.pair)

@@ -24,7 +24,7 @@ def test_everything_installs_under_specd(built_package: Path) -> None:
         assert (pkg / "models" / model / "model.safetensors").is_file()
         assert (pkg / "models" / model / "tokenizer.json").is_file()
     assert not (pkg / "models" / "build.py").exists()  # the training script is not part of the package
-    assert (pkg / "services" / "engine" / "kernels" / "linear_avx2.cpp").is_file()  # built at first use
+    assert (pkg / "services" / "engine" / "kernels" / "decoder.cpp").is_file()  # built at first use
 
 
 def test_installed_package_finds_its_own_demo_pair(built_package: Path, tmp_path: Path) -> None:

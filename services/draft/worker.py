@@ -245,7 +245,12 @@ class DraftWorker:
                 b = out[r.seq_id]
                 st = self.states.get(k)
                 # Room for the next block past a whole accepted one: else nothing to prepare for.
-                if st is None or b.error or not b.token_ids or len(st.tokens) + 2 * r.k + 2 > self.max_len:
+                if (
+                    st is None
+                    or b.error is not BlockError.NONE
+                    or not b.token_ids
+                    or len(st.tokens) + 2 * r.k + 2 > self.max_len
+                ):
                     continue
                 lane.plan(k, len(st.tokens), b.token_ids, b.alternatives, st.params, r.next_round_seed)
         return [out[r.seq_id] for r in reqs]

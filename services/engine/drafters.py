@@ -275,9 +275,7 @@ class ModelDrafter:
         self.seqs[seq_id].last_n = committed
 
     @torch.inference_mode()
-    def propose(
-        self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False
-    ) -> Proposal:
+    def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False) -> Proposal:
         """``sampling``: the rows' settings (None when every row is greedy); ``alternatives``: also return
         each guess's runner-up (Proposal.alternatives)."""
         # A row whose blocks for this proposal cannot be had (the pool is full) gets no guesses.

@@ -42,16 +42,49 @@ class LoopbackCall:
             pass
         return reply
 
+    def initial_metadata(self) -> tuple:
+        return ()  # the draft is up at once
+
+    def done(self) -> bool:
+        return False
+
     def cancel(self) -> None:
         pass  # the requests iterator ends the call (RemoteDrafter closes it before cancelling)
+
+
+class _Answered:
+    """A unary call's future that has its answer already."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> object:
+        return self.value
+
+
+class _Unary:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def future(self, request: object, timeout: float | None = None) -> _Answered:
+        return _Answered(self.value)
 
 
 class LoopbackStub:
     def __init__(self, servicer: DraftServicer, width: int) -> None:
         self.servicer = servicer
         self.width = width
+        self.Info = _Unary(servicer.info)  # noqa: N815 (gRPC's name)
 
-    def Draft(self, requests: Iterator[draft_pb2.DraftRound]) -> LoopbackCall:  # noqa: N802 (gRPC's name)
+    def Draft(  # noqa: N802 (gRPC's name)
+        self, requests: Iterator[draft_pb2.DraftRound], wait_for_ready: bool = False
+    ) -> LoopbackCall:
         return LoopbackCall(self.servicer, requests, self.width)
 
 
@@ -64,5 +97,8 @@ def loopback_drafter(
     )
     servicer = DraftServicer(worker, info)
     drafter = RemoteDrafter(DraftClientConfig(("loopback:1",), round_timeout=60.0, draft_ahead=draft_ahead), vocab_size)
-    drafter.endpoints[0].stub = LoopbackStub(servicer, width)
+    ep = drafter.endpoints[0]
+    ep.close()  # the stream opened to the unreachable address
+    ep.stub = LoopbackStub(servicer, width)
+    ep.open_stream()
     return drafter, servicer

@@ -18,7 +18,7 @@ import torch
 
 from specd.services.draft.ahead import MAX_WIDTH, PAUSE_ROUNDS, STARVED_ROUNDS, AheadPolicy
 from specd.services.draft.server import DraftServerConfig, build_worker
-from specd.services.draft.worker import DraftWorker, OpenSeq, ProposeReq
+from specd.services.draft.worker import BlockError, DraftWorker, OpenSeq, ProposeReq
 from specd.services.engine.builder import load_tokenizer
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.kv_cache import PagedKVCache
@@ -42,7 +42,7 @@ def _fresh_block(draft_dir, committed: list[int], params: SamplingParams, k: int
     sequence of its own on ``worker``, a fresh worker if None)."""
     w = worker or _worker(draft_dir)
     seq = f"fresh{len(w.states)}"
-    assert w.open("f", OpenSeq(seq, committed, params)) == ""
+    assert w.open("f", OpenSeq(seq, committed, params)) is BlockError.NONE
     while not w.drafter.ready(w.key("f", seq)):
         w.drafter.prefill(64)
     (b,) = w.propose("f", [ProposeReq(seq, 0, [], len(committed), k, seed)])
@@ -245,9 +245,9 @@ def test_sampling_law_with_drafting_ahead(close_micro_pair) -> None:
     ]
     try:
         res = engine.generate(reqs)
-        sources = engine.drafters["draft"].blocks_by_source
+        sources = engine.model_drafter.blocks_by_source
     finally:
-        engine.drafters["draft"].close()
+        engine.model_drafter.close()
     assert sources["prepared"] > 150, sources  # about 300 expected
     proposed = sum(r.stats.proposed_tokens for r in res.values())
     accepted = sum(r.stats.accepted_tokens for r in res.values())
@@ -280,9 +280,9 @@ def test_greedy_identity_and_seeded_repeats_with_drafting_ahead(tiny_pair) -> No
                 for i, p in enumerate(prompts)
             ]
             res = engine.generate(reqs)
-            sources[ahead] = dict(engine.drafters["draft"].blocks_by_source)
+            sources[ahead] = dict(engine.model_drafter.blocks_by_source)
         finally:
-            engine.drafters["draft"].close()
+            engine.model_drafter.close()
         outs[ahead] = {rid: r.token_ids for rid, r in res.items()}
     base = engine.generate([Request(f"b{i}", p, greedy, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
     for i in range(len(prompts)):

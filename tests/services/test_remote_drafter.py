@@ -17,7 +17,7 @@ from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConf
 from specd.services.engine.model import load_model
 from specd.services.engine.sampling import SamplingParams
 from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
-from tests.e2e.processes import free_port
+from tests.e2e.processes import free_port, spawn, stop_process, wait_grpc
 from tests.engine.test_sampling_distribution import N_SAMPLES, PROMPT, _chi2_pvalue, _exact_joint
 from tests.inprocess import GrpcThread, start_draft
 
@@ -31,6 +31,21 @@ def micro_draft_service(micro_pair) -> Iterator[str]:
         yield start_draft(grpc_thread, micro_pair[1], support=4, max_sequences=64).address
     finally:
         grpc_thread.close()
+
+
+@pytest.fixture(scope="module")
+def micro_draft_process(micro_pair, tmp_path_factory) -> Iterator[str]:
+    """A real ``specd draft`` process on the micro draft: drafting ahead needs the draft's own
+    thread of execution (in this process it would wait on the target's Python for each step)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("draft") / "draft.log"
+    cmd = ["draft", "--model", str(micro_pair[1]), "--host", "127.0.0.1", "--port", str(port)]
+    p = spawn([*cmd, "--dtype", "float32", "--proposal-support", "4", "--max-sequences", "64"], log)
+    try:
+        wait_grpc(port, p, log)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process(p)
 
 
 def _remote_engine(micro_pair, address: str, wait: bool = True, draft_ahead: bool = False) -> Engine:
@@ -79,10 +94,10 @@ def test_remote_sparse_speculation_matches_target(micro_pair, micro_draft_servic
 
 
 @pytest.mark.parametrize("draft_ahead", [False, True], ids=["in-turn", "ahead"])
-def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_service, draft_ahead: bool) -> None:
+def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_process, draft_ahead: bool) -> None:
     """Greedy output equals the target alone, drafting in turn and drafting ahead (the draft
     process steps its prepared blocks between rounds, over the real stream)."""
-    engine = _remote_engine(micro_pair, micro_draft_service, draft_ahead)
+    engine = _remote_engine(micro_pair, micro_draft_process, draft_ahead=draft_ahead)
     try:
         prompts = [(3, 7, 5, 9), (1, 2, 3), (4, 4, 4, 4, 4), (11, 0, 6)]
         spec = engine.generate(
@@ -97,7 +112,7 @@ def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_service, draf
                 for i, p in enumerate(prompts)
             ]
         )
-        sources = engine.drafters["draft"].blocks_by_source
+        sources = engine.model_drafter.blocks_by_source
     finally:
         engine.close()
     assert sum(r.stats.proposed_tokens for r in spec.values()) > 0
