@@ -20,7 +20,7 @@ import specd.services.engine.engine as engine_mod
 from specd.services.engine.builder import ModelSpec, build_engine
 from specd.services.engine.engine import EngineConfig, Request, SpecConfig
 from specd.services.engine.rejection import rejection_sample
-from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs
+from specd.services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs
 
 PROMPT = (3, 7, 5, 9)
 N_SAMPLES = 4000
@@ -108,9 +108,9 @@ def _wrong_rejection_sample(target_probs, draft_token_ids, draft_probs, generato
     rows = torch.arange(tokens.shape[0])
     pos = emitted - 1
     rejected = (pos < k) & (draft_token_ids[rows, pos.clamp_max(k - 1)] >= 0)
-    resampled = torch.stack(
-        [target_probs[b, pos[b]].multinomial(1, generator=generator[b])[0] for b in range(len(rows))]
-    )
+    # From a stream of its own: the row's seed itself would replay the uniforms rejection_sample used.
+    gens = [make_generator(seed + 1) for seed in generator]
+    resampled = torch.stack([target_probs[b, pos[b]].multinomial(1, generator=gens[b])[0] for b in range(len(rows))])
     tokens[rows, pos] = torch.where(rejected, resampled, tokens[rows, pos])
     return tokens, emitted
 
@@ -120,4 +120,5 @@ def test_chi_square_catches_a_wrong_sampler(micro_pair, monkeypatch) -> None:
     exact = _exact_joint(micro_pair[0], params)
     monkeypatch.setattr(engine_mod, "rejection_sample", _wrong_rejection_sample)
     counts = _sample_joint(micro_pair, params)
-    assert _chi2_pvalue(counts, exact) < 1e-6
+    pvalue = _chi2_pvalue(counts, exact)
+    assert pvalue < 1e-6

@@ -279,7 +279,9 @@ def _grpc_generate(port: int, prompt: list[int], max_tokens: int) -> list[int]:
         tokens=target_pb2.TokenPrompt(token_ids=prompt),
         sampling=common_pb2.SamplingParams(temperature=0.0),
         max_tokens=max_tokens,
-        speculation=target_pb2.Speculation(method="ngram", num_tokens=3),  # multi-token verify passes
+        speculation=target_pb2.Speculation(
+            method=common_pb2.SPECULATION_METHOD_NGRAM, num_tokens=3
+        ),  # multi-token verify passes
     )
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         return [t for r in target_pb2_grpc.TargetServiceStub(ch).Generate(req, timeout=60) for t in r.token_ids]
