@@ -92,11 +92,11 @@ def gguf_source(folder: str | Path) -> Path | None:
     """The GGUF file a model folder was converted from (by ``specd models fetch``, or from a ``.gguf``
     given as a model), if it is still there unchanged; else None. An import is checked by the key its
     stamp holds (path, size, modification time), a fetched file by its verification marker."""
-    from specd.services.model_store.fetch import _stamp_of, cache_root
+    from specd.services.model_store.fetch import STAMP, _stamp_of, cache_root
     from specd.services.model_store.gguf_import import _source_key
 
     try:
-        stamp = json.loads((Path(folder) / "specd_fetch.json").read_text())
+        stamp = json.loads((Path(folder) / STAMP).read_text())
     except (OSError, ValueError):
         return None
     key = stamp.get("source_sha256")
