@@ -79,6 +79,8 @@ class _MappedSafetensors:
 
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
+            if n > path.stat().st_size - 8:
+                raise ValueError(f"{path} is not a safetensors file (its header length is past its end)")
             self.header = json.loads(f.read(n))
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.base = 8 + n

@@ -21,12 +21,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specd.services.engine.kv_cache import KVCache, PagedKVCache, kv_bytes
 from specd.services.engine.model import BatchLayout, ModelInfo, eos_ids_of
+
+if TYPE_CHECKING:
+    from specd.services.engine.quantized_store import QuantizedStore
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -189,8 +193,16 @@ class Linear:
     kernel with the weight quantized at load (``quantize="int8"`` / ``"int4"``), or through ``F.linear``."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, kernel=None, quantize: str | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        prepack: bool,
+        kernel=None,
+        quantize: str | None = None,
+        store: QuantizedStore | None = None,
+        name: str = "",
     ) -> None:
+        """``store``: quantized weights saved by an earlier start, looked up (and added to) by ``name``."""
         self.bias = bias
         self.scales: tuple[torch.Tensor, ...] = ()  # int8: (scale,); int4: (scale, min)
         self.prepacked = prepack and quantize is None
@@ -203,7 +215,13 @@ class Linear:
             self.kernel = kernels.int8_linear() if quantize == "int8" else kernels.int4_linear()
             if self.kernel is None:
                 raise ValueError(f"{quantize} weights need the AVX2 kernels, which are unavailable on this machine")
-            weight, *scales = quantize_int8(weight) if quantize == "int8" else quantize_int4(weight)
+            key = f"{name}:{quantize}"
+            ready = store.get(key, 2 if quantize == "int8" else 1) if store is not None else None
+            if ready is None:
+                ready = quantize_int8(weight) if quantize == "int8" else quantize_int4(weight)
+                if store is not None:
+                    store.put(key, ready)
+            weight, *scales = ready
             self.scales = tuple(scales)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
 
@@ -304,9 +322,12 @@ class LlamaLM:
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         quantize: str | None = None,
         int4_records: Mapping[str, torch.Tensor] | None = None,
+        quantized_store: QuantizedStore | None = None,
     ) -> None:
         """``int4_records``: under ``quantize="int4"``, ready int4 records by weight name (a GGUF file's
-        Q4_K tensors, :func:`specd.services.model_store.gguf_blocks.read_q4k_linears`) used as they are."""
+        Q4_K tensors, :func:`specd.services.model_store.gguf_blocks.read_q4k_linears`) used as they are.
+        ``quantized_store``: weights quantized by an earlier start, read instead of quantizing again;
+        what this start quantizes is saved to it."""
         self.shape = shape
         self.info = info
         self.dtype = dtype
@@ -364,7 +385,7 @@ class LlamaLM:
                     return Linear.from_int4_records(torch.cat([records[n] for n in names]), bias)
                 mode = "int8"
             weight = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
-            return Linear(weight, bias, prepack, kernel, mode)
+            return Linear(weight, bias, prepack, kernel, mode, quantized_store, "+".join(names))
 
         def row_linear(prefix: str) -> Linear | RowParallelLinear:
             if reduce is None:
@@ -378,7 +399,13 @@ class LlamaLM:
         # token, and is an eighth of the weights.
         head_quantize = "int8" if quantize == "int4" else quantize
         self.lm_head = Linear(
-            head.to(device=self.device, dtype=dtype).contiguous(), None, prepack, kernel, head_quantize
+            head.to(device=self.device, dtype=dtype).contiguous(),
+            None,
+            prepack,
+            kernel,
+            head_quantize,
+            quantized_store,
+            "lm_head.weight",
         )
         self.layers: list[_Layer] = []
         for i in range(shape.num_layers):
@@ -396,6 +423,8 @@ class LlamaLM:
                     down=row_linear(p + "mlp.down_proj"),
                 )
             )
+        if quantized_store is not None:
+            quantized_store.save()
         self.fused = self._fused_decoder(inv_freq, attention_scaling) if fusable else None
         self.forward_path = "fused" if self.fused is not None else "per-op"
         pos = torch.arange(shape.max_positions, dtype=torch.float32)

@@ -271,6 +271,11 @@ def _own_llama(
 
         source = gguf_source(name_or_path)  # a model converted from a GGUF file: serve its own Q4_K blocks
         records = read_q4k_linears(source) if source is not None else None
+    store = None
+    if quantize and torch.device(device).type == "cpu":
+        from specd.services.engine.quantized_store import QuantizedStore
+
+        store = QuantizedStore.for_folder(name_or_path, quantize, dtype)
     return LlamaLM(
         c.shape,
         c.state,
@@ -282,6 +287,7 @@ def _own_llama(
         prepack=None,
         quantize=quantize,
         int4_records=records,
+        quantized_store=store,
     )
 
 
