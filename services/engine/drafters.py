@@ -48,6 +48,10 @@ class Proposal:
     # [B, K] long: per position the draft's best token other than its guess (the likeliest
     # replacement if the target rejects it), when asked for; a draft service prepares for it.
     alternatives: torch.Tensor | None = None
+    # Whether the time the proposal took was spent guessing. False when a draft service also had to
+    # prefill (a sequence opened this round, or one catching up on many tokens): that round says
+    # nothing about the price of a guess, which method auto learns from the rounds' timings.
+    timed: bool = True
 
 
 class Drafter(Protocol):

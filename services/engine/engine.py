@@ -553,8 +553,9 @@ class Engine:
                 q[idx_t, :width_model] = model_prop.probs
         model_set = set(model_idx)
         drafted = [MODEL if i in model_set else NGRAM if i in matched else -1 for i in range(B)]
-        steps = max((ks[i] for i in model_idx), default=0)
-        return guesses, q, drafted, (steps, len(model_idx), model_seconds)
+        # Only rounds spent guessing price the draft (Proposal.timed).
+        steps = max((ks[i] for i in model_idx), default=0) if model_prop is None or model_prop.timed else 0
+        return guesses, q, drafted, (steps, len(model_idx) if steps else 0, model_seconds)
 
     def _draft_row(self, seq: _Seq, k: int, sampled_draft: bool) -> DraftRow:
         greedy = seq.req.params.greedy

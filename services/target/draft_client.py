@@ -49,6 +49,17 @@ log = logging.getLogger(__name__)
 REOPEN = (draft_pb2.DRAFT_ERROR_UNKNOWN_SEQUENCE, draft_pb2.DRAFT_ERROR_OUT_OF_SYNC)  # open it again next round
 NEVER_AGAIN = (draft_pb2.DRAFT_ERROR_CONTEXT_FULL, draft_pb2.DRAFT_ERROR_INVALID_CONTEXT)  # stop asking for it
 LATER = (draft_pb2.DRAFT_ERROR_NO_CAPACITY, draft_pb2.DRAFT_ERROR_DRAINING)  # open it again after a pause
+# A round normally brings the draft one token it has not fed (the bonus or the replaced guess; the
+# accepted guesses are in its cache). More than this many, after rounds it was not asked in, and
+# the draft catches up: a prefill, not the price of a guess.
+CATCH_UP_TOKENS = 2
+
+
+def _unseen(row: draft_pb2.ProposeRow) -> int:
+    """Committed tokens of a round's row that the draft has not fed yet."""
+    return len(row.new_token_ids) - row.num_accepted
+
+
 # Drafting ahead is off unless asked for (--draft-ahead on): it pays when the draft has cores of its
 # own (specd serve --pin-cores, separate machines); on shared cores its extra steps take the
 # target's cycles. README, "Drafting ahead", has the measurements this default rests on.
@@ -327,10 +338,14 @@ class RemoteDrafter:
                 by_ep.setdefault(id(st.endpoint), []).append((i, k))
         # Send every endpoint its round first, then collect: the drafts work in parallel.
         pending: list[tuple[DraftEndpoint, int, list[int]]] = []
+        timed = True
         for asks in by_ep.values():
             ep = self.seqs[rows[asks[0][0]].seq_id].endpoint
             round_id = next(self._round_ids)
-            ep.stream.send(self._round_msg(ep, round_id, [(rows[i], k) for i, k in asks]))
+            msg = self._round_msg(ep, round_id, [(rows[i], k) for i, k in asks])
+            # A sequence sent whole (opened) or with many tokens to catch up makes the draft prefill.
+            timed = timed and not msg.open and all(_unseen(r) <= CATCH_UP_TOKENS for r in msg.rows)
+            ep.stream.send(msg)
             pending.append((ep, round_id, [i for i, _ in asks]))
         t0 = time.monotonic()
         deadline = t0 + self.cfg.round_timeout
@@ -359,9 +374,9 @@ class RemoteDrafter:
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
-            return Proposal(token_ids[:, :0].to(self.device), None)
+            return Proposal(token_ids[:, :0].to(self.device), None, timed=timed)
         probs = self._sparse_q(blocks, rows, len(rows), width) if any_sampled else None
-        return Proposal(token_ids[:, :width].to(self.device), probs)
+        return Proposal(token_ids[:, :width].to(self.device), probs, timed=timed)
 
     def close(self) -> None:
         for e in self.endpoints:

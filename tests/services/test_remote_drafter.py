@@ -228,3 +228,26 @@ def test_remote_drafter_with_per_sequence_k_that_skips_rounds(micro_pair, micro_
         assert len(r.token_ids) == 30
         assert r.stats.proposed_tokens == r.stats.block_tokens > 0  # every guess asked for came back
         assert r.stats.target_forward_passes > 30 / 4  # rounds with k = 0 did happen
+
+
+def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(micro_pair, micro_draft_service) -> None:
+    """The round that opens a sequence on the draft service (it prefills the whole context) is not a
+    timing of guesses for method auto's cost model; the rounds after it are."""
+    engine = _remote_engine(micro_pair, micro_draft_service)
+    seen: list[tuple[int, int]] = []
+    observe = engine.controller.observe_costs
+
+    def record(rows, width, verify_seconds, model_steps, model_rows, draft_seconds) -> None:
+        seen.append((model_steps, model_rows))
+        observe(rows, width, verify_seconds, model_steps, model_rows, draft_seconds)
+
+    engine.controller.observe_costs = record
+    try:
+        params = SamplingParams(0.0, max_tokens=12, ignore_eos=True)
+        # auto (the rounds are observed only where it plans), nudged to the draft model: no n-gram match.
+        res = engine.generate([Request("a", (3, 7, 5, 9, 1, 2), params, SpecConfig("auto", 3))])
+    finally:
+        engine.close()
+    assert res["a"].stats.proposed_tokens > 0
+    assert seen[0] == (0, 0), seen  # the round that opened the sequence on the draft
+    assert any(steps > 0 and rows == 1 for steps, rows in seen[1:]), seen
