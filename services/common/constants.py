@@ -31,6 +31,10 @@ def default_num_tokens(method: str) -> int:
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DEFAULT_DTYPE = "bfloat16"
 
+# How a draft made a block of guesses: drafted when the round came, drafted ahead and complete, or
+# drafted ahead in part and finished when the round came (services/draft/ahead.py). Metric labels.
+BLOCK_SOURCES = ("fresh", "prepared", "continued")
+
 # The bundled demo pair. The installed package mirrors the checkout (specd/services beside
 # specd/models, as services/ beside models/; setup.py), so one relative path finds it in both.
 DEMO_MODELS = Path(__file__).resolve().parents[2] / "models"

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from specd.services.engine.drafters import ModelDrafter, runner_up
-from specd.services.engine.sampling import BatchSampling, SamplingParams, make_generator, processed_probs, sample_from
+from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import to_sparse, truncate_probs
 
 # Most branches per sequence: the main line, the second bonus token, and rejections at positions
@@ -213,9 +213,9 @@ class AheadLane:
             return
         u = None
         if not params.greedy:
-            # Exactly the uniforms a fresh block of the next round draws (sampling.uniforms: one
-            # generator per row, seeded by the round's seed; a longer draw starts with the shorter one).
-            u = torch.rand((self.max_k,), generator=make_generator(seed), dtype=torch.float64)
+            # Exactly the uniforms a fresh block of the next round draws (one generator per row,
+            # seeded by the round's seed; a longer draw starts with the shorter one).
+            u = uniforms((self.max_k,), [seed], 1, "cpu")[0]
         self.plans[key] = SeqPlan(key, base, tuple(block), tuple(alternatives), params, seed, k, width, u)
 
     def drop(self, key: str) -> None:

@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from specd.services.common.constants import BLOCK_SOURCES
+
 DRAFT_BLOCK_SECONDS = Histogram(
     "specd_draft_block_seconds",
     "Model time to propose one round of candidate blocks (all sequences of the round)",
@@ -14,7 +16,7 @@ DRAFT_BLOCKS = Counter(
     "(drafted ahead, complete) or continued (drafted ahead in part, finished when the round came)",
     ["source"],
 )
-for _source in ("fresh", "prepared", "continued"):
+for _source in BLOCK_SOURCES:
     DRAFT_BLOCKS.labels(source=_source)  # exported as 0 from the start
 DRAFT_AHEAD_STEP_SECONDS = Histogram(
     "specd_draft_ahead_step_seconds",

@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 import torch
 
+from specd.services.common.constants import BLOCK_SOURCES
 from specd.services.common.convert import sampling_to_pb
 from specd.services.common.grpc_server import CHANNEL_OPTIONS
 from specd.services.common.tls import TLSConfig, channel
@@ -288,7 +289,7 @@ class RemoteDrafter:
         for e in self.endpoints:
             e.open_stream()
         self.on_round = on_round or (lambda report: None)
-        self.blocks_by_source = {"fresh": 0, "prepared": 0, "continued": 0}  # since start, for tests and tools
+        self.blocks_by_source = dict.fromkeys(BLOCK_SOURCES, 0)  # since start, for tests and tools
         self.seqs: dict[str, _SeqState] = {}
         self._round_ids = itertools.count(1)
 

@@ -14,6 +14,7 @@ from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from specd.services.common.constants import BLOCK_SOURCES
 from specd.services.engine.engine import DRAFTER_LABELS, StepOutput
 from specd.services.target.draft_client import DraftRoundReport
 
@@ -80,7 +81,7 @@ DRAFT_BLOCKS_RECEIVED = Counter(
     "share served by a prepared block: (prepared + continued) / all",
     ["source"],
 )
-for _source in ("fresh", "prepared", "continued"):
+for _source in BLOCK_SOURCES:
     DRAFT_BLOCKS_RECEIVED.labels(source=_source)  # exported as 0 from the start
 DRAFT_FAILURES = Counter(
     "specd_draft_failures",
