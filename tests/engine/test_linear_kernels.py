@@ -3,6 +3,7 @@ result is bit-identical whatever else is in the batch), which exact speculation 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +176,16 @@ def test_int4_rejects_a_width_that_is_not_whole_groups() -> None:
 
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_int4(torch.randn(8, 48))
+
+
+
+def test_stream_read_reads_every_whole_line() -> None:
+    """The bandwidth probe's read (benchmarks/bandwidth.py) visits every whole 64-byte line: it returns
+    the XOR of all their 32-bit words, whatever the thread split, and leaves a partial last line out."""
+    if bf16_linear() is None:
+        pytest.skip("the AVX2 kernels are not available here")
+    words = torch.randint(-(2**31), 2**31 - 1, ((1 << 20) + 5,), dtype=torch.int32)
+    whole = words[: words.numel() // 16 * 16].numpy()
+    expected = int(np.bitwise_xor.reduce(whole).astype(np.uint32))
+    assert torch.ops.specd_kernels.stream_read(words) == expected
+    assert torch.ops.specd_kernels.stream_read(torch.zeros(1 << 16)) == 0

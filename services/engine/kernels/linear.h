@@ -56,6 +56,16 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// Every kernel streams its weights with a software prefetch this far ahead of the loads. On the 2-core
+// Zen 3 VM this was written on, the hardware prefetchers alone left bf16 target-only decoding of the
+// 1.5B model at 7.2-10.4 tok/s (22-32 GB/s of weights); 4 KB ahead took it to 10.0-13.7 tok/s in
+// interleaved runs (1 KB ahead was too little). A prefetch past the end of a buffer never faults.
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+}
+
 // ------------------------------------------------------------------------------- bf16 and int8
 // How each format turns kStep consecutive weights of row n, from column k, into fp32 vectors
 // (widen), one weight into a float (scalar, for the K % kStep tail), and a finished dot product into
@@ -77,6 +87,7 @@ struct Bf16Rows {
     wv[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
   }
   float scalar(int64_t n, int64_t k) const { return bf16_to_float(w[n * K + k]); }
+  const void* at(int64_t n, int64_t k) const { return w + n * K + k; }
   float finish(int64_t, float s) const { return s; }
 };
 
@@ -95,6 +106,8 @@ void block(const float* x, const C& c, const float* bias, float* out, int64_t ld
     for (int j = 0; j < NR; ++j)
       for (int r = 0; r < R; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K16; k += C::kStep) {
+      if (k % 32 == 0)  // one 64-byte line per row every 32 bf16 weights
+        for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
       for (int j = 0; j < NR; ++j) {
         __m256 wv[V];
         c.widen(n + j, k, wv);
@@ -297,8 +310,11 @@ void q4_block(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias,
             _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc[j] + g0))));
         for (int r = 0; r < R; ++r) isum[j][r] = _mm256_setzero_si256();
       }
-      for (int gi = 0; gi < 8; gi += 2)
+      for (int gi = 0; gi < 8; gi += 2) {
+        if (gi % 4 == 0)  // 64 bytes of nibbles per row every two pairs of groups
+          for (int j = 0; j < NR; ++j) prefetch_ahead(nib[j] + (g0 + gi) * 16);
         for (int j = 0; j < NR; ++j) pair(nib[j], g0 + gi, gi, sc16[j], isum[j]);
+      }
       for (int j = 0; j < NR; ++j) {
         const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[j] + g0)));
         const float d = half_to_float(dd[j][s]), dmin = half_to_float(dd[j][S + s]);
@@ -405,6 +421,7 @@ void q8_block(const Q8Rows& xq, int64_t m0, const int8_t* w, const float* scale,
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int64_t k = k0; k < k32; k += 32) {
+        if (k % 64 == 0) prefetch_ahead(wr + k);
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
         const __m256i wa = _mm256_abs_epi8(wv);
         for (int r = 0; r < R; ++r) {

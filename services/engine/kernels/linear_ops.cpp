@@ -3,7 +3,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
+
 #include <tuple>
+#include <vector>
 
 #include "linear.h"
 
@@ -161,6 +164,32 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight) {
   return {q, scale};
 }
 
+// Reads every whole 64-byte line of buffer once, 32 bytes a load with the kernels' prefetch, split
+// over torch's threads, and returns the XOR of all their 32-bit words (so the reads cannot be optimised
+// away, and the result is the same whatever the split): the machine's read bandwidth as the linear
+// kernels can draw on it (benchmarks/bandwidth.py).
+int64_t stream_read(const at::Tensor& buffer) {
+  TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
+  const auto* p = static_cast<const uint8_t*>(buffer.data_ptr());
+  const int64_t n = buffer.numel() * buffer.element_size() / 64;
+  std::vector<uint32_t> partial(at::get_num_threads(), 0);
+  at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* line = p + 64 * i;
+      specd::prefetch_ahead(line);
+      a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
+      b = _mm256_xor_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32)));
+    }
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(a, b));
+    for (uint32_t v : lanes) partial[at::get_thread_num()] ^= v;
+  });
+  uint32_t folded = 0;
+  for (uint32_t v : partial) folded ^= v;
+  return static_cast<int64_t>(folded);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specd_kernels, m) {
@@ -169,6 +198,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("quantize_int4(Tensor weight) -> Tensor");
   m.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
+  m.def("stream_read(Tensor buffer) -> int");
 }
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
@@ -176,4 +206,5 @@ TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("quantize_int4", quantize_int4);
   m.impl("quantize_int8", quantize_int8);
+  m.impl("stream_read", stream_read);
 }
