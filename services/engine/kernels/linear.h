@@ -91,43 +91,38 @@ struct Bf16Rows {
   float finish(int64_t, float s) const { return s; }
 };
 
-// Accumulators per (input row, weight row): weight vector v of each 32-weight step goes to accumulator
-// v. An FMA waits ~4 cycles for its accumulator, so one row with two accumulators (as this kernel had)
-// could take in only 32 bytes of weights per 4 cycles per core, which capped a bf16 decode step near
-// 43 GB/s on two cores when the memory had more to give; four chains double that ceiling.
-constexpr int kAcc = 4;  // (block() sums them as (a0 + a1) + (a2 + a3))
-constexpr int64_t kMaxRows = 3;  // 12 accumulators + the weight vectors: the 16 ymm registers
-constexpr int64_t kBf16Chunk = 32;  // weights per step (kAcc vectors of 8); x permuted in these chunks
+constexpr int64_t kMaxRows = 7;  // 14 accumulators + 1 weight register: the 16 ymm registers
 
 // Rows [0, R) of x (fp32, row stride K) against weight rows [n0, n1); out is fp32 with row stride ldo.
-// NR weight rows at a time (more independent chains where R is small; each row's own accumulation
-// order unchanged).
+// NR weight rows at a time: with few input rows, the FMA chains of one weight row alone are too few to
+// hide their latency, so weight rows are interleaved (each row's own accumulation order unchanged).
 template <typename C, int R, int NR>
 void block(const float* x, const C& c, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  constexpr int V = C::kStep / 8;     // vectors per widen
-  constexpr int S = kAcc / V;         // widens per step
-  constexpr int64_t kStepAll = 8 * kAcc;
-  const int64_t K = c.K, KS = K - K % kStepAll;
+  constexpr int V = C::kStep / 8;  // weight vectors per step; even ones go to a0, odd ones to a1
+  const int64_t K = c.K, K16 = K - K % C::kStep;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    __m256 a[NR][R][kAcc];
+    __m256 a0[NR][R], a1[NR][R];
     for (int j = 0; j < NR; ++j)
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kAcc; ++v) a[j][r][v] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < KS; k += kStepAll) {
-      for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));  // one 64-byte line per row per step
+      for (int r = 0; r < R; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K16; k += C::kStep) {
+      if (k % 32 == 0)  // one 64-byte line per row every 32 bf16 weights
+        for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
       for (int j = 0; j < NR; ++j) {
-        __m256 wv[kAcc];
-        for (int s = 0; s < S; ++s) c.widen(n + j, k + s * C::kStep, wv + s * V);
-        for (int v = 0; v < kAcc; ++v)
+        __m256 wv[V];
+        c.widen(n + j, k, wv);
+        for (int v = 0; v < V; v += 2) {
           for (int r = 0; r < R; ++r)
-            a[j][r][v] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + r * K + k + 8 * v), a[j][r][v]);
+            a0[j][r] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + r * K + k + 8 * v), a0[j][r]);
+          for (int r = 0; r < R; ++r)
+            a1[j][r] = _mm256_fmadd_ps(wv[v + 1], _mm256_loadu_ps(x + r * K + k + 8 * v + 8), a1[j][r]);
+        }
       }
     }
     for (int j = 0; j < NR; ++j) {
       for (int r = 0; r < R; ++r) {
-        float s = hsum(_mm256_add_ps(_mm256_add_ps(a[j][r][0], a[j][r][1]), _mm256_add_ps(a[j][r][2], a[j][r][3])));
-        for (int64_t k = KS; k < K; ++k) s += c.scalar(n + j, k) * x[r * K + k];
+        float s = hsum(_mm256_add_ps(a0[j][r], a1[j][r]));
+        for (int64_t k = K16; k < K; ++k) s += c.scalar(n + j, k) * x[r * K + k];
         s = c.finish(n + j, s);
         out[r * ldo + n + j] = bias ? s + bias[n + j] : s;
       }
@@ -140,13 +135,12 @@ template <typename C>
 using BlockFn = void (*)(const float*, const C&, const float*, float*, int64_t, int64_t, int64_t);
 
 template <typename C>
-constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr, block<C, 1, 1>, block<C, 2, 1>, block<C, 3, 1>};
+constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 1>, block<C, 2, 2>, block<C, 3, 2>,
+                                              block<C, 4, 1>, block<C, 5, 1>, block<C, 6, 1>, block<C, 7, 1>};
 
-// x [M, K] fp32 -> each 16-wide chunk of the first K - K % kBf16Chunk columns reordered to
-// [0-3, 8-11, 4-7, 12-15], as Bf16Rows::widen reads bf16; the tail, which block() takes one weight at a
-// time, stays in order.
+// x [M, K] fp32 -> each 16-wide chunk reordered to [0-3, 8-11, 4-7, 12-15], as Bf16Rows::widen reads bf16.
 inline void permute_rows_bf16(const float* x, float* out, int64_t M, int64_t K) {
-  const int64_t K16 = K - K % kBf16Chunk;
+  const int64_t K16 = K - K % 16;
   for (int64_t m = 0; m < M; ++m) {
     const float* s = x + m * K;
     float* d = out + m * K;
@@ -162,8 +156,7 @@ inline void permute_rows_bf16(const float* x, float* out, int64_t M, int64_t K) 
 
 // y[M, N] (row stride ldo) = x[M, K] W^T + b, threads splitting the weight rows. Within a thread, a tile
 // of weight rows (~256 KB, so it stays in L2) meets every block of input rows before the next tile is
-// read: decoding streams W from memory once, and verification or a prefill of many rows, whose blocks
-// of up to kMaxRows rows take the tile in turn from L2, reads it from memory once too.
+// read: decoding (M <= 7) streams W from memory once, and a prefill of many rows reads it once too.
 template <typename C>
 void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* bias, float* out, int64_t ldo) {
   const int64_t K = c.K;
