@@ -8,7 +8,8 @@ end, attention included (:class:`specd.services.engine.llama.LlamaLM` uses it wh
 Intel before AVX-512). Measured on a 2-core Zen 3 at batch 1 (``specd bench --pair``), torch's own
 bf16 matmul there streams weights at about half the machine's read bandwidth and costs k+1 times as
 much to verify k+1 tokens as to decode one, which leaves speculation nothing to win. The kernel
-(``linear.h``, ops in ``linear_ops.cpp``) streams each weight row once per block of up to 7 rows and is batch
+(``linear.h``, ops in ``linear_ops.cpp``) streams each weight row once per block of up to 7 rows, with a software
+prefetch 4 KB ahead of its loads, and is batch
 invariant, so verification is exact against one-token decoding.
 
 ``int8_linear``: the same kernel over weight-only int8 with one scale per output row, half the bytes
