@@ -189,6 +189,18 @@ class BlockTable(SlotAllocator):
         super().release(slot)
         self.free_positions(slot)
 
+    def mirror_table(self, slots: list[int], table: torch.Tensor) -> None:
+        """On a tensor-parallel rank that follows rank 0's block tables instead of allocating its own:
+        take rank 0's rows ``table`` [len(slots), W] for ``slots`` and zero every block new to its
+        slot's row, as rank 0 did when it handed the block out. Without this a rank's storage stays
+        uninitialised, and NaN garbage at masked positions turned its heads' attention, and through
+        the all-reduce the logits, into NaN (greedy then picked token 0)."""
+        for slot, row in zip(slots, table):
+            new = row[~torch.isin(row, self.table[slot])]
+            if new.numel():
+                self._new_blocks(new.unique().tolist())
+            self.table[slot] = row
+
     def _new_blocks(self, blocks: list[int]) -> None:
         """Hook for storage: blocks just handed out."""
 

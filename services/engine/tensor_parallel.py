@@ -344,6 +344,7 @@ def run_worker(model: LlamaLM, group: TPGroup) -> None:
             cache = caches[a]
             if isinstance(cache, BlockTable):
                 table = group.broadcast_control(torch.empty((b, cache.table.shape[1]), dtype=torch.long))
+                cache.mirror_table(meta[:b], table)
                 layout = PagedLayout(meta[:b], meta[b:], c, table, cache.block_size, group.device)
             else:
                 layout = BatchLayout(meta[:b], meta[b:], c, group.device)

@@ -334,3 +334,28 @@ def test_ranks_die_with_a_killed_target(tiny_pair, tmp_path) -> None:
     finally:
         stop_process(proc)
         _kill_left(ranks)
+
+
+def test_a_rank_that_mirrors_block_tables_zeroes_the_blocks_it_is_handed() -> None:
+    """A non-zero rank never allocates blocks; it follows rank 0's tables. Blocks new to a slot's row
+    are zeroed as rank 0 zeroes them on hand-out, so uninitialised NaN never reaches attention."""
+    from specd.services.engine.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(2, 2, 6, 4, 16, 1, 8, torch.float32)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    scratch, width = cache.scratch, cache.table.shape[1]
+
+    def row(*blocks: int) -> torch.Tensor:
+        return torch.tensor([[*blocks] + [scratch] * (width - len(blocks))])
+
+    cache.mirror_table([1], row(3, 0))
+    for block in (3, 0):
+        assert cache.k[:, block * 4 : (block + 1) * 4].eq(0).all()
+        assert cache.v[:, block * 4 : (block + 1) * 4].eq(0).all()
+    assert cache.k[:, 4:8].isnan().all()  # block 1: not named, left alone
+    cache.k[:, 12:16] = 7.0  # block 3 now holds this slot's K
+    cache.mirror_table([1], row(3, 0, 5))
+    assert cache.k[:, 12:16].eq(7.0).all()  # kept: not new to the row
+    assert cache.k[:, 20:24].eq(0).all()  # block 5: new, zeroed
+    assert cache.table[1].tolist() == row(3, 0, 5)[0].tolist()
