@@ -373,7 +373,7 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
 
 def _paired_target_only(engine: Engine, prompts, cfg: PairBenchConfig, run: Run, bound: dict) -> None:
     """One pass of bf16 target-only decoding with the read bandwidth measured just before it: this
-    machine's bandwidth swings between passes (32-66 GB/s within minutes on the VM it was written on),
+    machine's bandwidth swings between passes (32-70 GB/s within minutes on the VM it was written on),
     so the share of the bound is judged pass by pass against the bandwidth of the same moment, beside
     the strict figure against the run's best."""
     bw = measure_read_bandwidth(buffer_gb=1.0, reps=3)
