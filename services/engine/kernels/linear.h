@@ -81,7 +81,7 @@ struct Bf16Rows {
   int64_t K;
   int64_t bytes_per_row() const { return 2 * K; }
   void widen(int64_t n, int64_t k, __m256* wv) const {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
+    const __m256i v = _mm256_loadu_si256(static_cast<const __m256i*>(at(n, k)));
     const __m256i z = _mm256_setzero_si256();
     wv[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
     wv[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));

@@ -1,9 +1,8 @@
 // The linear kernels of linear.h as torch ops: specd_kernels::bf16_linear, int8_linear, int4_linear,
 // for the Python forward (services/engine/llama.py) when the fused decoder (decoder.cpp) is not used.
 #include <ATen/ATen.h>
-#include <torch/library.h>
-
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <tuple>
 #include <vector>
