@@ -25,6 +25,7 @@ lossless for any block size, including 0).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -190,33 +191,47 @@ def _choose_one(
     acceptance: np.ndarray, match_len: int, model_ok: bool, cap: int, cost: CostModel, width_range
 ) -> Choice:
     """:func:`choose_blocks` for a batch of one free row, in plain Python: at batch 1 a round is a
-    few milliseconds, and some fifty small numpy calls would cost a noticeable share of it."""
+    few milliseconds, and some fifty small numpy calls would cost a noticeable share of it.
+
+    Alone, a row's width is its own k, so the options are simply the n-gram's k = 0..match and the
+    model's k = 1..cap, each priced in full. An exploration range keeps the options whose width lies
+    in it (where there are none, the widest below it)."""
     kmax = acceptance.shape[-1]
     cap = min(max(cap, 0), kmax)
     lo, hi = width_range if width_range is not None else (0, kmax)
-    hi = min(hi, kmax)
-    e = [[1.0], [1.0]]
+    top = {NGRAM: min(match_len, cap, hi), MODEL: min(cap, hi) if model_ok else 0}
+    if lo > max(top.values()):  # nothing reaches the range: the widest below it
+        lo = max(top.values())
+    verify = cost.v0 + cost.v_row + cost.v_token  # k = 0
+    best = (1.0 / verify, 1.0, 0, -1, verify) if lo == 0 else None  # (ratio, tokens, k, drafter, cost)
+    # n-gram first, then the model, small k first: ties keep the earlier, cheaper option.
     for d in (NGRAM, MODEL):
-        survive, total = 1.0, 1.0
-        for a in acceptance[d].tolist():
+        step = cost.v_token + (cost.d_step + cost.d_step_row if d == MODEL else 0.0)
+        c = verify + (cost.d0 if d == MODEL else 0.0)
+        survive, tokens = 1.0, 1.0
+        for k, a in enumerate(acceptance[d, : top[d]].tolist(), start=1):
             survive *= min(max(a, 0.0), 1.0)
-            total += survive
-            e[d].append(total)
-    fixed = cost.v0 + cost.v_row
-    best = None  # (ratio, k, drafter, width, steps, tokens, cost)
-    # Alone, every option's full cost is known: compare them all (n-gram first, then the model by
-    # steps; ties keep the earlier, smaller one).
-    for W in range(lo, hi + 1):
-        k = min(match_len, cap, W)
-        options = [(e[NGRAM][k], k, NGRAM if k > 0 else -1, k, 0)]
-        if model_ok:
-            options += [(e[MODEL][min(cap, m)], min(cap, m), MODEL, m, m) for m in range(1, W + 1) if min(cap, m) > 0]
-        for tokens, k, drafter, width, steps in options:
-            c = fixed + cost.v_token * (width + 1) + cost.draft(steps, 1)
-            if best is None or tokens / c > best[0] * (1 + 1e-9):
-                best = (tokens / c, k, drafter, width, steps, tokens, c)
-    _, k, drafter, width, steps, tokens, c = best
-    return Choice(np.array([k]), np.array([drafter]), width, steps, tokens, c)
+            tokens += survive
+            c += step
+            if k >= lo and (best is None or tokens / c > best[0] * (1 + 1e-9)):
+                best = (tokens / c, tokens, k, d, c)
+    _, tokens, k, drafter, c = best
+    return Choice(np.array([k]), np.array([drafter]), k, k if drafter == MODEL else 0, tokens, c)
+
+
+def _forced_choice(acceptance: np.ndarray, ks: np.ndarray, drafters: np.ndarray, cost: CostModel) -> Choice:
+    """The round of rows whose k and drafter are all decided already, priced like any other."""
+    kmax = acceptance.shape[-1]
+    ks = np.minimum(np.maximum(ks, 0), kmax)
+    drafters = np.where(ks > 0, drafters, -1)
+    E = expected_tokens(acceptance)
+    rows = np.arange(len(ks))
+    tokens = float(np.where(drafters >= 0, E[rows, np.maximum(drafters, 0), ks], 1.0).sum())
+    model = drafters == MODEL
+    steps = int(ks[model].max()) if model.any() else 0
+    width = int(ks.max()) if len(ks) else 0
+    c = cost.verify(len(ks), width) + cost.draft(steps, int(model.sum()))
+    return Choice(ks.astype(int), drafters.astype(int), width, steps, tokens, c)
 
 
 def choose_solo(
@@ -251,8 +266,10 @@ class ControllerConfig:
     """Knobs of the statistics and the exploration (defaults measured to be robust, see README)."""
 
     kmax: int = MAX_SPECULATIVE_TOKENS  # positions tracked
-    prior_acceptance: float = 0.6  # before anything is known, per position
-    global_prior_weight: float = 4.0  # pseudo-observations of prior_acceptance in the engine-wide rate
+    prior_acceptance: float = 0.6  # before anything is known, at the first position
+    # Pseudo-observations, in the engine-wide rate, of the prior (first position) and of the rate
+    # one position earlier (later positions; see _chained).
+    global_prior_weight: float = 4.0
     global_decay: float = 0.995  # per round, engine-wide counts (about 200 rounds of memory)
     seq_prior_weight: float = 3.0  # pseudo-observations of the engine-wide rate in a sequence's own
     seq_decay: float = 0.85  # per round of that sequence (about 7 rounds of memory)
@@ -262,6 +279,10 @@ class ControllerConfig:
     # varies its width (collinear features) well posed.
     cost_prior_weight: float = 3.0
     outlier_factor: float = 3.0  # a timing above this many times the prediction is clipped to it
+    # Rounds between refits of the cost model: it moves slowly, and a refit (two small solves) is a
+    # noticeable share of a few-millisecond round.
+    refit_every: int = 16
+    global_refresh_every: int = 4  # rounds between recomputations of the engine-wide rates
     # Per round: verify one guess more or fewer than chosen, so the fit sees how verify time grows
     # with the width. Near the optimum goodput is flat in the width, so this costs little.
     explore_width: float = 0.1
@@ -272,20 +293,57 @@ class ControllerConfig:
     seed: int = 0
 
 
-class SeqAcceptance:
-    """A sequence's decayed accept / test counts per drafter and position."""
+class DecayedCounts:
+    """Accept / test counts per drafter and position ``[..., 2, kmax]``, decayed lazily.
 
-    __slots__ = ("accepted", "tested")
+    The arrays hold the counts in units of ``unit``: decaying everything by ``f`` is ``unit /= f``
+    (one float, instead of two array operations a round), a new observation adds ``unit``, and the
+    counts themselves are ``accepted / unit`` and ``tested / unit``.
+    """
+
+    __slots__ = ("accepted", "tested", "unit")
+
+    def __init__(self, *shape: int) -> None:
+        self.accepted = np.zeros(shape)
+        self.tested = np.zeros(shape)
+        self.unit = 1.0
+
+    def decay(self, factor: float) -> None:
+        self.unit /= factor
+        if self.unit > 1e150:  # fold the unit back in long before it could overflow
+            self.accepted /= self.unit
+            self.tested /= self.unit
+            self.unit = 1.0
+
+    def record(self, index: tuple, proposed: int, num_accepted: int) -> None:
+        """Guesses 1..num_accepted passed; guess num_accepted+1 (if made) failed; later ones untested."""
+        self.accepted[index][:num_accepted] += self.unit
+        self.tested[index][: min(num_accepted + 1, proposed)] += self.unit
+
+
+class SeqAcceptance(DecayedCounts):
+    """A sequence's decayed accept / test counts per drafter (NGRAM, MODEL) and position."""
+
+    __slots__ = ()
 
     def __init__(self, kmax: int) -> None:
-        self.accepted = np.zeros((2, kmax))
-        self.tested = np.zeros((2, kmax))
+        super().__init__(2, kmax)
 
 
-def _record(accepted: np.ndarray, tested: np.ndarray, proposed: int, num_accepted: int) -> None:
-    """Guesses 1..num_accepted passed; guess num_accepted+1 (if made) failed; later ones untested."""
-    accepted[:num_accepted] += 1.0
-    tested[: min(num_accepted + 1, proposed)] += 1.0
+def _chained(accepted: np.ndarray, tested: np.ndarray, weight: float, first: float) -> np.ndarray:
+    """Conditional acceptance per position ``[..., kmax]`` from decayed counts: position 0 pulled
+    toward ``first``, every later one toward the estimate one position earlier.
+
+    Why chained: a position that has rarely been tested (the controller has kept blocks shorter)
+    then inherits the rate just before it, which is what acceptance measured by position looks
+    like (roughly flat), instead of a fixed prior that may sit far below it and would keep blocks
+    short for ever."""
+    # est_j = a_j + b_j est_{j-1}, a linear recurrence: solved with one cumulative product,
+    # est_j = P_j (first + sum_{i<=j} a_i / P_i), P_j = prod_{l<=j} b_l (b >= w / (w + tested) > 0).
+    denom = tested + weight
+    b = weight / denom
+    P = np.cumprod(b, axis=-1)
+    return P * (first + np.cumsum(accepted / denom / P, axis=-1))
 
 
 class _ShapedFit:
@@ -316,14 +374,16 @@ class _ShapedFit:
         self.weight *= factor
         # The solution barely moves with a uniform decay; it is refreshed at the next add.
 
-    def add(self, x: np.ndarray, y: float) -> None:
-        z = np.empty(len(x) + 1)
-        z[0] = self.shape @ x
-        z[1:] = x
-        self.ztz += np.outer(z, z)
-        self.zty += z * y
-        self.zsum += z
-        self.weight += 1.0
+    def add(self, X: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
+        """Observations ``X [n, p]``, ``y [n]`` with weights ``w [n]`` (their decay since)."""
+        Z = np.empty((X.shape[0], X.shape[1] + 1))
+        Z[:, 0] = X @ self.shape
+        Z[:, 1:] = X
+        Zw = Z * w[:, None]
+        self.ztz += Z.T @ Zw
+        self.zty += Zw.T @ y
+        self.zsum += Zw.sum(axis=0)
+        self.weight += float(w.sum())
         self._coef = None
 
     @property
@@ -340,9 +400,6 @@ class _ShapedFit:
             theta = np.linalg.solve(self.ztz + np.diag(lam), self.zty)
             self._coef = np.maximum(theta[0] * self.shape + theta[1:], 0.0)
         return self._coef
-
-    def predict(self, x: np.ndarray) -> float:
-        return float(self.coef() @ x)
 
 
 # Prior shape of the cost model, in units of one fixed verify cost: a guess token or a row costs a
@@ -384,27 +441,63 @@ class SpeculationController:
         self.cfg = config
         k = config.kmax
         # Engine-wide counts keyed by [greedy][drafter, position].
-        self.global_accepted = np.zeros((2, 2, k))
-        self.global_tested = np.zeros((2, 2, k))
+        self.global_counts = DecayedCounts(2, 2, k)  # [greedy][drafter, position]
+        self._global_estimate: list[np.ndarray | None] = [None, None]  # per greedy, cached
+        self.global_counts_age = [0, 0]  # rounds since each was computed
         self.verify_fit = _ShapedFit(_VERIFY_SHAPE, config.cost_prior_weight)
         self.draft_fit = _ShapedFit(_DRAFT_SHAPE, config.cost_prior_weight)
-        self.rng = np.random.default_rng(config.seed)
+        self.rng = random.Random(config.seed)  # exploration: one draw a round, no array needed
         self.stats = ControllerStats()
+        self._cost: CostModel | None = None  # the fitted model, refitted every refit_every rounds
+        self._cost_age = 0
+        # Timings since the last refit, folded into the fits then: (round, features, seconds).
+        self._pending: dict[str, list[tuple[int, tuple[float, ...], float]]] = {"verify": [], "draft": []}
+        self._timed_round = 0  # rounds timed so far
+        self._flushed_round = 0
 
     # ----------------------------------------------------------------------- estimates
 
     def global_acceptance(self, greedy: bool) -> np.ndarray:
-        """[2, kmax] engine-wide conditional acceptance, pulled toward the prior."""
-        w = self.cfg.global_prior_weight
+        """[2, kmax] engine-wide conditional acceptance, pulled toward the prior (recomputed every
+        ``global_refresh_every`` rounds: it has a memory of hundreds)."""
         g = int(greedy)
-        return (self.global_accepted[g] + w * self.cfg.prior_acceptance) / (self.global_tested[g] + w)
+        cached = self._global_estimate[g]
+        if cached is None or self.global_counts_age[g] >= self.cfg.global_refresh_every:
+            cached = self._global_estimate[g] = self._global_rate(g)
+            self.global_counts_age[g] = 0
+        return cached
+
+    def _global_rate(self, g: int) -> np.ndarray:
+        c = self.global_counts
+        return _chained(c.accepted[g], c.tested[g], self.cfg.global_prior_weight * c.unit, self.cfg.prior_acceptance)
 
     def seq_acceptance(self, seq: SeqAcceptance, prior: np.ndarray) -> np.ndarray:
-        w = self.cfg.seq_prior_weight
+        """[2, kmax] the sequence's conditional acceptance, pulled toward ``prior``."""
+        w = self.cfg.seq_prior_weight * seq.unit
         return (seq.accepted + w * prior) / (seq.tested + w)
 
     def cost_model(self) -> CostModel:
-        """The fitted round cost; before any timing the reference shape (only ratios matter)."""
+        """The fitted round cost (refitted every ``refit_every`` rounds); before any timing the
+        reference shape (only ratios matter)."""
+        if self._cost is None or self._cost_age >= self.cfg.refit_every:
+            self._flush_timings()
+            self._cost, self._cost_age = self._fit_cost(), 0
+        return self._cost
+
+    def _flush_timings(self) -> None:
+        """Fold the pending timings into the fits, each decayed by the rounds since it was taken
+        (the same as decaying and adding round by round, in a few array operations)."""
+        now = self._timed_round
+        decay = self.cfg.cost_decay
+        for fit, pending in ((self.verify_fit, self._pending["verify"]), (self.draft_fit, self._pending["draft"])):
+            fit.decay(decay ** (now - self._flushed_round))
+            if pending:
+                age = now - np.array([r for r, _, _ in pending], dtype=float)
+                fit.add(np.array([x for _, x, _ in pending]), np.array([y for _, _, y in pending]), decay**age)
+                pending.clear()
+        self._flushed_round = now
+
+    def _fit_cost(self) -> CostModel:
         if not self.verify_fit.fitted:
             return REFERENCE_COST
         v = self.verify_fit.coef()
@@ -417,14 +510,17 @@ class SpeculationController:
 
     def plan(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
         """Ks and drafters for this round's rows (kmax: the widest block any row may get)."""
+        if len(rows) == 1 and rows[0].forced_k < 0 and not (rows[0].deterministic and self.cfg.pin_seeded):
+            return self._plan_one(rows[0], kmax)
         forced_k = np.array([r.forced_k for r in rows], dtype=int)
         forced_d = np.array([r.forced_drafter for r in rows], dtype=int)
         # Seeded sampled rows: planned alone, from their own history and fixed priors, so the same
         # request draws the same random numbers whatever shares its batch and however fast it runs.
         solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0 and self.cfg.pin_seeded]
         if solo:
-            prior = np.full((2, self.cfg.kmax), self.cfg.prior_acceptance)
-            acc = np.stack([self.seq_acceptance(rows[i].seq, prior) for i in solo])[:, :, :kmax]
+            w, a0 = self.cfg.seq_prior_weight, self.cfg.prior_acceptance
+            seqs = [rows[i].seq for i in solo]
+            acc = np.stack([_chained(q.accepted, q.tested, w * q.unit, a0) for q in seqs])[:, :, :kmax]
             ks, drafters = choose_solo(
                 acc,
                 np.array([rows[i].match_len for i in solo], dtype=int),
@@ -444,8 +540,13 @@ class SpeculationController:
             forced_k,
             forced_d,
         )
+        if (forced_k >= 0).all():  # nothing left to decide (seeded or fixed-method rows only)
+            choice = _forced_choice(acc, forced_k, forced_d, args[4])
+            self.stats.rounds += 1
+            self.stats.chosen_k = choice.ks.tolist()
+            return choice
         choice = choose_blocks(*args)
-        explore = self._exploration_range(choice, args, kmax)
+        explore = self._exploration_range(choice, bool(((args[1] > 0) | args[2]).any()), kmax)
         if explore is not None:
             choice = choose_blocks(*args, width_range=explore)
             self.stats.explored += 1
@@ -453,11 +554,23 @@ class SpeculationController:
         self.stats.chosen_k = choice.ks.tolist()
         return choice
 
-    def _exploration_range(self, choice: Choice, args, kmax: int) -> tuple[int, int] | None:
+    def _plan_one(self, row: RowPlan, kmax: int) -> Choice:
+        """:meth:`plan` for a batch of one free row, without the batch's arrays (see _choose_one)."""
+        acc = self.seq_acceptance(row.seq, self.global_acceptance(row.greedy))[:, :kmax]
+        cost = self.cost_model()
+        choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, None)
+        explore = self._exploration_range(choice, row.match_len > 0 or row.model_ok, kmax)
+        if explore is not None:
+            choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, explore)
+            self.stats.explored += 1
+        self.stats.rounds += 1
+        self.stats.chosen_k = [int(choice.ks[0])]
+        return choice
+
+    def _exploration_range(self, choice: Choice, can_guess: bool, kmax: int) -> tuple[int, int] | None:
         """Now and then verify a width off the optimum, so the cost fit sees how verify time grows
         with the verified tokens (a batch that always runs one width cannot tell)."""
-        can_guess = bool(((args[1] > 0) | args[2]).any()) and kmax > 0
-        if not can_guess:
+        if not can_guess or kmax <= 0:
             return None
         u = self.rng.random()
         if choice.width == 0:
@@ -475,16 +588,15 @@ class SpeculationController:
         Every row's own counts decay each of its rounds (so a drafter it stopped using drifts back to
         the engine-wide rate and gets tried again); the engine-wide counts decay per round.
         """
-        self.global_accepted *= self.cfg.global_decay
-        self.global_tested *= self.cfg.global_decay
+        self.global_counts.decay(self.cfg.global_decay)
+        self.global_counts_age[0] += 1
+        self.global_counts_age[1] += 1
         for seq, greedy, drafter, proposed, accepted in rows:
-            seq.accepted *= self.cfg.seq_decay
-            seq.tested *= self.cfg.seq_decay
+            seq.decay(self.cfg.seq_decay)
             if drafter < 0 or proposed <= 0:
                 continue
-            _record(seq.accepted[drafter], seq.tested[drafter], proposed, accepted)
-            g = int(greedy)
-            _record(self.global_accepted[g, drafter], self.global_tested[g, drafter], proposed, accepted)
+            seq.record((drafter,), proposed, accepted)
+            self.global_counts.record((int(greedy), drafter), proposed, accepted)
 
     def observe_costs(
         self, rows: int, width: int, verify_seconds: float, model_steps: int, model_rows: int, draft_seconds: float
@@ -492,17 +604,17 @@ class SpeculationController:
         """One round's timings: verification of ``rows`` x ``width + 1`` tokens (and the emit that
         follows), and ``model_steps`` draft-model steps for ``model_rows`` rows (0 if unused)."""
         cfg = self.cfg
-        xv = np.array([1.0, rows, rows * (width + 1.0)])
-        self.verify_fit.decay(cfg.cost_decay)
-        self.draft_fit.decay(cfg.cost_decay)
+        c = self.cost_model()
+        timed_verify, timed_draft = self._timed_round > 0, self.draft_fit.fitted or bool(self._pending["draft"])
+        self._timed_round += 1
         # A round far slower than predicted (another process took the core) is clipped, not trusted.
-        limit = cfg.outlier_factor * self.verify_fit.predict(xv) if self.verify_fit.fitted else np.inf
-        self.verify_fit.add(xv, min(verify_seconds, limit))
+        limit = cfg.outlier_factor * c.verify(rows, width) if timed_verify else np.inf
+        self._pending["verify"].append((self._timed_round, (1.0, rows, rows * (width + 1.0)), min(verify_seconds, limit)))
         if model_steps > 0 and model_rows > 0:
-            xd = np.array([1.0, model_steps, model_steps * float(model_rows)])
-            if self.draft_fit.fitted:
-                limit = cfg.outlier_factor * self.draft_fit.predict(xd)
-            else:  # the first timing (a draft service's time-out, say) is checked against the prior
-                c = self.cost_model()
-                limit = 2 * cfg.outlier_factor * c.draft(model_steps, model_rows)
-            self.draft_fit.add(xd, min(draft_seconds, limit))
+            # The first timing (a draft service's time-out, say) is checked against the prior.
+            limit = (1 if timed_draft else 2) * cfg.outlier_factor * c.draft(model_steps, model_rows)
+            x = (1.0, model_steps, model_steps * float(model_rows))
+            self._pending["draft"].append((self._timed_round, x, min(draft_seconds, limit)))
+        self._cost_age += 1
+        if not timed_verify or (not timed_draft and self._pending["draft"]):
+            self._cost = None  # the first timings replace the prior at once

@@ -121,23 +121,27 @@ class NGramDrafter:
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
-        arr = np.asarray(tokens, dtype=np.int64)
-        L = len(arr)
-        # Candidate matches end where the context's last token occurs earlier (positions 0..L-2, so
-        # each has at least one token after it and the suffix itself is excluded); a suffix of n
-        # tokens then only needs its other n-1 tokens checked at those few places, instead of
-        # comparing every window of the context (the per-round cost was n full passes).
-        ends = np.flatnonzero(arr[:-1] == arr[-1])
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            cand = ends[ends >= n - 1]
-            for j in range(1, n):
-                if not cand.size:
+        # A plain scan from the latest earlier occurrence of the last token backwards, keeping the
+        # first (so latest) place of each longer match. Plain Python on purpose: this runs every
+        # round of every n-gram and auto row, and per call it is a few comparisons per occurrence
+        # of the last token where an array conversion of the context costs more than the search.
+        L = len(tokens)
+        top = min(self.max_n, L - 1)
+        last = tokens[-1]
+        best_n, best_start = 0, 0
+        for i in range(L - 2, -1, -1):
+            if tokens[i] != last:
+                continue
+            n = 1
+            while n < top and n <= i and tokens[i - n] == tokens[L - 1 - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_start = n, i + 1
+                if n == top:
                     break
-                cand = cand[arr[cand - j] == arr[L - 1 - j]]
-            if cand.size:
-                start = int(cand[-1]) + 1
-                return arr[start : start + k].tolist()
-        return []
+        if best_n < self.min_n:
+            return []
+        return list(tokens[best_start : best_start + k])
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None = None) -> Proposal:
         guesses = [self.lookup(r.tokens, r.k) if r.k > 0 else [] for r in rows]

@@ -290,6 +290,9 @@ class Engine:
         outputs = self._evict_aborted()
         self._admit()
         self._prefill()
+        # The controller prices the whole round: planning, proposing and emitting cost time per
+        # round too, and a cost model blind to them would undervalue the rounds it saves.
+        t_round = time.perf_counter()
         seqs = self._reserve_round([s for s in self.running.values() if s.decoding])
         if not seqs:
             return outputs
@@ -322,7 +325,7 @@ class Engine:
         for seq, row, d, k in zip(seqs, host, drafted, ks):
             outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], drafter=d, k=k))
         if planned:
-            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t1)
+            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t_round)
         return outputs
 
     def _evict_aborted(self) -> list[StepOutput]:
@@ -480,14 +483,16 @@ class Engine:
         self, seqs: list[_Seq], host: list[list[int]], drafted: list[int], width: int, model_work, seconds: float
     ) -> None:
         """Feed the controller what this round did: per row who guessed, how many, how many passed;
-        and the round's timings."""
+        and the round's timings (``seconds``: the whole round; what the timed draft steps took is
+        theirs, the rest is priced as verification)."""
         rows = []
         for seq, row, d in zip(seqs, host, drafted):
             proposed, emitted = row[-1], row[-2]
             rows.append((seq.acceptance, seq.req.params.greedy, d if proposed > 0 else -1, proposed, emitted - 1))
         self.controller.observe_rows(rows)
         steps, model_rows, model_seconds = model_work
-        self.controller.observe_costs(len(seqs), width, seconds, steps, model_rows, model_seconds)
+        verify_seconds = seconds - model_seconds if steps else seconds
+        self.controller.observe_costs(len(seqs), width, verify_seconds, steps, model_rows, model_seconds)
 
     def _propose(
         self,

@@ -179,7 +179,8 @@ def test_a_dropped_drafter_is_tried_again() -> None:
     for _ in range(10):
         ch = ctl.plan(rows, KMAX)
         ctl.observe_rows([(seq, True, MODEL, int(ch.ks[0]), 0)])
-    assert ctl.plan(rows, KMAX).ks[0] == 0
+    # Off, but for the rare exploratory round (explore_start) that tries one guess.
+    assert sum(int(ctl.plan(rows, KMAX).ks[0]) for _ in range(100)) <= 10
     ks = []
     for _ in range(400):
         ch = ctl.plan(rows, KMAX)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,3 +118,25 @@ def test_model_drafter_asked_again_without_new_tokens_repeats_its_guesses(micro_
     drafter.accepted("s", 0)
     again = drafter.propose([DraftRow("s", tokens, 4, True)], greedy).token_ids.tolist()
     assert again == first and min(first[0]) >= 0
+
+
+def _lookup_by_definition(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The longest suffix (max_n down to min_n) that occurred earlier; its latest occurrence's continuation."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - n :]
+        for end in range(L - 2, n - 2, -1):  # the occurrence ends at `end` (before the suffix's end)
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ngram_lookup_matches_its_definition(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        min_n, max_n = sorted(int(x) for x in rng.integers(1, 6, 2))
+        k = int(rng.integers(1, 6))
+        got = NGramDrafter(min_n=min_n, max_n=max_n).lookup(tokens, k)
+        assert got == _lookup_by_definition(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
