@@ -230,6 +230,10 @@ class Engine:
         self._aborted: set[str] = set()
         self.totals = SpecStats()  # summed over requests (per-request verification counts)
         self.rounds = 0  # batched target forward passes (decode rounds; prefill passes are counted apart)
+        # When the last decode round ended with sequences still decoding (so the next round follows
+        # at once): the caller's work in between (streaming the outputs, metrics) is a cost of
+        # every round too, and the controller prices it.
+        self._decoding_since: float | None = None
         self.prefill_passes = 0
         self.preemptions = 0
         self._admitted = 0
@@ -287,6 +291,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one round for all running sequences; returns what each produced."""
+        called = time.perf_counter()
+        between = called - self._decoding_since if self._decoding_since is not None else 0.0
+        self._decoding_since = None
         outputs = self._evict_aborted()
         self._admit()
         self._prefill()
@@ -325,7 +332,9 @@ class Engine:
         for seq, row, d, k in zip(seqs, host, drafted, ks):
             outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], drafter=d, k=k))
         if planned:
-            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t_round)
+            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t_round + between)
+        if any(s.decoding for s in self.running.values()):
+            self._decoding_since = time.perf_counter()
         return outputs
 
     def _evict_aborted(self) -> list[StepOutput]:
@@ -450,7 +459,7 @@ class Engine:
             p = seq.req.params
             if routes[i] == "auto":
                 if k > 0:
-                    match = lookup.lookup(seq.tokens, k)  # numpy over the context, as "ngram" does
+                    match = lookup.lookup(seq.tokens, k)  # as "ngram" does
                     if match:
                         matches[i] = match
                 # A seeded sampled request is planned from its own history alone, so it repeats
@@ -483,16 +492,17 @@ class Engine:
         self, seqs: list[_Seq], host: list[list[int]], drafted: list[int], width: int, model_work, seconds: float
     ) -> None:
         """Feed the controller what this round did: per row who guessed, how many, how many passed;
-        and the round's timings (``seconds``: the whole round; what the timed draft steps took is
-        theirs, the rest is priced as verification)."""
+        and the round's timings (``seconds``: the whole round, and the caller's work since the
+        last one; what the proposal took is the draft's, the rest is priced as verification)."""
         rows = []
         for seq, row, d in zip(seqs, host, drafted):
             proposed, emitted = row[-1], row[-2]
             rows.append((seq.acceptance, seq.req.params.greedy, d if proposed > 0 else -1, proposed, emitted - 1))
         self.controller.observe_rows(rows)
         steps, model_rows, model_seconds = model_work
-        verify_seconds = seconds - model_seconds if steps else seconds
-        self.controller.observe_costs(len(seqs), width, verify_seconds, steps, model_rows, model_seconds)
+        # A proposal that also prefilled (steps = 0: not timed) prices nothing, but its time is
+        # still not verification's.
+        self.controller.observe_costs(len(seqs), width, seconds - model_seconds, steps, model_rows, model_seconds)
 
     def _propose(
         self,
