@@ -236,3 +236,31 @@ def test_batch_of_one_fast_path_is_optimal(seed: int) -> None:
                 continue
             dr = np.array([who if k > 0 else -1])
             assert got >= _goodput(acc, match, model_ok, cap, cost, np.array([k]), dr) * (1 - 1e-9)
+
+
+def test_untested_positions_inherit_the_rate_one_position_earlier() -> None:
+    """A sequence kept at k = 2 that always passes both guesses: positions it never tested are
+    estimated near its observed rate (chained prior), not at the fixed starting prior, so a
+    longer block gets tried."""
+    ctl = SpeculationController()
+    seq = SeqAcceptance(16)
+    for _ in range(40):
+        ctl.observe_rows([(seq, True, MODEL, 2, 2)])
+    est = ctl.seq_acceptance(seq, ctl.global_acceptance(True))[MODEL]
+    assert est[0] > 0.9 and est[1] > 0.9
+    assert est[2] > 0.85 and est[5] > 0.85  # never tested: inherited, well above the 0.6 prior
+    assert ctl.cfg.prior_acceptance < 0.7
+
+
+def test_exploration_at_batch_one_tries_a_wider_and_a_narrower_block() -> None:
+    """Alone in its batch, a row's exploratory rounds verify one guess more or one fewer than the
+    optimum, so the cost fit sees the width vary both ways."""
+    ctl = SpeculationController()
+    seq = SeqAcceptance(16)
+    ctl.observe_costs(1, 3, 4e-3, 3, 1, 0.6e-3)
+    rows = [RowPlan(seq, True, KMAX, 0, True)]
+    counts = np.bincount([int(ctl.plan(rows, KMAX).width) for _ in range(400)], minlength=KMAX + 2)
+    best = int(counts.argmax())
+    assert 0 < best < KMAX, counts  # the fixture's costs put the optimum inside the range
+    assert counts[best - 1] > 0 and counts[best + 1] > 0, counts
+    assert counts[best - 1] + counts[best + 1] < 0.25 * counts.sum(), counts  # now and then only
