@@ -49,9 +49,23 @@ class CostModel:
     d0: float = 0.0  # draft model: fixed per round that uses it (a network round trip, say)
     d_step: float = 0.0  # draft model: per step
     d_step_row: float = 0.0  # draft model: per step and per drafted row
+    # Measured deviation from the line, seconds, by the round's verified tokens B * (W + 1) (0 past
+    # its end). Kernels work on blocks of rows, so a verified token more costs a staircase, not a
+    # line: on this CPU the bf16 kernel takes 3 rows per pass over the weights.
+    by_tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def verify(self, rows: int, width: int) -> float:
-        return self.v0 + self.v_row * rows + self.v_token * rows * (width + 1)
+        return self.v0 + self.v_row * rows + self.v_token * rows * (width + 1) + self.extra(rows * (width + 1))
+
+    def extra(self, tokens: int) -> float:
+        t = self.by_tokens
+        return float(t[tokens]) if t is not None and tokens < len(t) else 0.0
+
+    def extra_array(self, tokens: np.ndarray) -> np.ndarray | float:
+        t = self.by_tokens
+        if t is None:
+            return 0.0
+        return np.where(tokens < len(t), t[np.minimum(tokens, len(t) - 1)], 0.0)
 
     def draft(self, steps: int, rows: int) -> float:
         return 0.0 if steps == 0 or rows == 0 else self.d0 + steps * (self.d_step + self.d_step_row * rows)
@@ -154,7 +168,7 @@ def choose_blocks(
         widest_ng = ng_used.max(axis=-1) if B else np.zeros_like(bm)
         steps = np.where(bm > 0, np.maximum(K_ax, forced_steps), 0)
         width = np.maximum(np.maximum(widest_ng, forced_width), steps)
-        c = fixed_verify + cost.v_token * B * (width + 1)
+        c = fixed_verify + cost.v_token * B * (width + 1) + cost.extra_array(B * (width + 1))
         c = c + np.where(steps > 0, cost.d0 + steps * (cost.d_step + cost.d_step_row * bm), 0.0)
         ratio = np.where(valid, tokens / c, -np.inf)
         # argmax takes the first maximum: the smallest width, then the fewest steps.
@@ -202,17 +216,17 @@ def _choose_one(
     top = {NGRAM: min(match_len, cap, hi), MODEL: min(cap, hi) if model_ok else 0}
     if lo > max(top.values()):  # nothing reaches the range: the widest below it
         lo = max(top.values())
-    verify = cost.v0 + cost.v_row + cost.v_token  # k = 0
-    best = (1.0 / verify, 1.0, 0, -1, verify) if lo == 0 else None  # (ratio, tokens, k, drafter, cost)
+    verify = [cost.verify(1, k) for k in range(max(top.values()) + 1)]  # by k
+    best = (1.0 / verify[0], 1.0, 0, -1, verify[0]) if lo == 0 else None  # (ratio, tokens, k, drafter, cost)
     # n-gram first, then the model, small k first: ties keep the earlier, cheaper option.
     for d in (NGRAM, MODEL):
-        step = cost.v_token + (cost.d_step + cost.d_step_row if d == MODEL else 0.0)
-        c = verify + (cost.d0 if d == MODEL else 0.0)
+        step = cost.d_step + cost.d_step_row if d == MODEL else 0.0
+        d0 = cost.d0 if d == MODEL else 0.0
         survive, tokens = 1.0, 1.0
         for k, a in enumerate(acceptance[d, : top[d]].tolist(), start=1):
             survive *= min(max(a, 0.0), 1.0)
             tokens += survive
-            c += step
+            c = verify[k] + d0 + step * k
             if k >= lo and (best is None or tokens / c > best[0] * (1 + 1e-9)):
                 best = (tokens / c, tokens, k, d, c)
     _, tokens, k, drafter, c = best
@@ -244,7 +258,7 @@ def choose_solo(
     D, _, kmax = acceptance.shape
     E = expected_tokens(acceptance)  # [D, 2, kmax + 1]
     k = np.arange(kmax + 1)
-    verify = cost.verify(1, 0) + cost.v_token * k  # [kmax + 1]
+    verify = np.array([cost.verify(1, int(w)) for w in k])  # [kmax + 1]
     c_ng = verify
     c_m = verify + np.where(k > 0, cost.d0 + k * (cost.d_step + cost.d_step_row), 0.0)
     capped = k[None, :] <= np.minimum(cap, kmax)[:, None]  # [D, kmax + 1]
@@ -283,6 +297,17 @@ class ControllerConfig:
     # noticeable share of a few-millisecond round.
     refit_every: int = 16
     global_refresh_every: int = 4  # rounds between recomputations of the engine-wide rates
+    # The staircase (CostModel.by_tokens): per count of verified tokens below step_tokens, a mean
+    # of the rounds' deviations from the line, decayed per observation of that count (a count
+    # seen long ago keeps what was seen) and shrunk toward 0 by step_prior_weight rounds.
+    step_tokens: int = 1024
+    step_decay: float = 0.95
+    step_prior_weight: float = 3.0
+    # A staircase is not convex: one guess more or fewer never finds the next cheap step. So now
+    # and then a width anywhere in 1..kmax is tried instead, often while the engine is young.
+    explore_anywhere: float = 0.02
+    explore_anywhere_young: float = 0.25
+    young_rounds: int = 64
     # Per round: verify one guess more or fewer than chosen, so the fit sees how verify time grows
     # with the width. Near the optimum goodput is flat in the width, so this costs little.
     explore_width: float = 0.1
@@ -453,6 +478,8 @@ class SpeculationController:
         # Timings since the last refit, folded into the fits then: (round, features, seconds).
         self._pending: dict[str, list[tuple[int, tuple[float, ...], float]]] = {"verify": [], "draft": []}
         self._timed_round = 0  # rounds timed so far
+        self._step_sum = np.zeros(config.step_tokens)  # decayed sums of deviations, by verified tokens
+        self._step_n = np.zeros(config.step_tokens)
         self._flushed_round = 0
 
     # ----------------------------------------------------------------------- estimates
@@ -504,7 +531,7 @@ class SpeculationController:
         # Until the draft model has been timed, its steps are priced at the prior's share of the
         # verify cost at the measured level.
         d = self.draft_fit.coef() if self.draft_fit.fitted else _DRAFT_SHAPE * (v[0] / _VERIFY_SHAPE[0])
-        return CostModel(*v, *d)
+        return CostModel(*v, *d, by_tokens=self._step_sum / (self._step_n + self.cfg.step_prior_weight))
 
     # ------------------------------------------------------------------------- planning
 
@@ -573,8 +600,13 @@ class SpeculationController:
         if not can_guess or kmax <= 0:
             return None
         u = self.rng.random()
-        if choice.width == 0:
+        if choice.width == 0:  # speculation off (under load, say): only the cheapest probe
             return (1, 1) if u < self.cfg.explore_start else None
+        anywhere = self.cfg.explore_anywhere_young if self._timed_round < self.cfg.young_rounds else self.cfg.explore_anywhere
+        if u < anywhere:
+            w = self.rng.randint(1, kmax)
+            return (w, w)
+        u = (u - anywhere) / (1.0 - anywhere)
         if u < self.cfg.explore_width:
             w = choice.width + (1 if self.rng.random() < 0.5 and choice.width < kmax else -1)
             return (w, w)
@@ -609,7 +641,13 @@ class SpeculationController:
         self._timed_round += 1
         # A round far slower than predicted (another process took the core) is clipped, not trusted.
         limit = cfg.outlier_factor * c.verify(rows, width) if timed_verify else np.inf
-        self._pending["verify"].append((self._timed_round, (1.0, rows, rows * (width + 1.0)), min(verify_seconds, limit)))
+        y = min(verify_seconds, limit)
+        self._pending["verify"].append((self._timed_round, (1.0, rows, rows * (width + 1.0)), y))
+        tokens = rows * (width + 1)
+        if timed_verify and tokens < cfg.step_tokens:
+            deviation = y - (c.verify(rows, width) - c.extra(tokens))  # from the line
+            self._step_sum[tokens] = self._step_sum[tokens] * cfg.step_decay + deviation
+            self._step_n[tokens] = self._step_n[tokens] * cfg.step_decay + 1.0
         if model_steps > 0 and model_rows > 0:
             # The first timing (a draft service's time-out, say) is checked against the prior.
             limit = (1 if timed_draft else 2) * cfg.outlier_factor * c.draft(model_steps, model_rows)

@@ -264,3 +264,32 @@ def test_exploration_at_batch_one_tries_a_wider_and_a_narrower_block() -> None:
     assert 0 < best < KMAX, counts  # the fixture's costs put the optimum inside the range
     assert counts[best - 1] > 0 and counts[best + 1] > 0, counts
     assert counts[best - 1] + counts[best + 1] < 0.25 * counts.sum(), counts  # now and then only
+
+
+@pytest.mark.parametrize("learn_steps", [True, False])
+def test_a_staircase_verify_cost_is_learned(learn_steps: bool) -> None:
+    """A kernel that takes 3 rows per pass: 1-3 verified tokens cost one pass, 4-6 two, 7 three.
+    Every guess passes here, so the best block is k = 5 (6 tokens for two passes, the top of the
+    second step; k = 6 pays a third pass for one token more); a line fitted through the same
+    timings cannot see that, the staircase table can."""
+    from specd.services.engine.controller import ControllerConfig
+
+    def seconds(width: int) -> float:
+        return 6e-3 + 2e-3 * -(-(width + 1) // 3)
+
+    cfg = ControllerConfig(step_prior_weight=3.0 if learn_steps else 1e12)
+    ctl = SpeculationController(cfg)
+    seq = SeqAcceptance(16)
+    rows = [RowPlan(seq, True, KMAX, 0, True)]
+    widths = []
+    for _ in range(800):
+        ch = ctl.plan(rows, KMAX)
+        k = int(ch.ks[0])
+        widths.append(ch.width)
+        ctl.observe_rows([(seq, True, MODEL if k else -1, k, k)])
+        ctl.observe_costs(1, ch.width, seconds(ch.width), ch.model_steps, 1, 0.1e-3 * ch.model_steps)
+    mode = int(np.bincount(widths[-300:]).argmax())
+    if learn_steps:
+        assert mode == 5, np.bincount(widths[-300:])
+    else:
+        assert mode != 5, np.bincount(widths[-300:])  # the line alone misses it
