@@ -468,7 +468,7 @@ class SpeculationController:
         # Engine-wide counts keyed by [greedy][drafter, position].
         self.global_counts = DecayedCounts(2, 2, k)  # [greedy][drafter, position]
         self._global_estimate: list[np.ndarray | None] = [None, None]  # per greedy, cached
-        self.global_counts_age = [0, 0]  # rounds since each was computed
+        self._global_age = [0, 0]  # rounds since each was computed
         self.verify_fit = _ShapedFit(_VERIFY_SHAPE, config.cost_prior_weight)
         self.draft_fit = _ShapedFit(_DRAFT_SHAPE, config.cost_prior_weight)
         self.rng = random.Random(config.seed)  # exploration: one draw a round, no array needed
@@ -489,9 +489,9 @@ class SpeculationController:
         ``global_refresh_every`` rounds: it has a memory of hundreds)."""
         g = int(greedy)
         cached = self._global_estimate[g]
-        if cached is None or self.global_counts_age[g] >= self.cfg.global_refresh_every:
+        if cached is None or self._global_age[g] >= self.cfg.global_refresh_every:
             cached = self._global_estimate[g] = self._global_rate(g)
-            self.global_counts_age[g] = 0
+            self._global_age[g] = 0
         return cached
 
     def _global_rate(self, g: int) -> np.ndarray:
@@ -621,8 +621,8 @@ class SpeculationController:
         the engine-wide rate and gets tried again); the engine-wide counts decay per round.
         """
         self.global_counts.decay(self.cfg.global_decay)
-        self.global_counts_age[0] += 1
-        self.global_counts_age[1] += 1
+        self._global_age[0] += 1
+        self._global_age[1] += 1
         for seq, greedy, drafter, proposed, accepted in rows:
             seq.decay(self.cfg.seq_decay)
             if drafter < 0 or proposed <= 0:
