@@ -12,9 +12,12 @@ Two halves:
 
 The round's cost, as the engine runs it. The target verifies a dense ``[B, W+1]`` block (W = the
 widest block of the round; shorter rows are padded), so verification costs
-``v0 + vB * B + vN * B * (W + 1)``: the verified tokens are one budget shared by the batch, and a
-guess inside the width is free. The draft model runs ``Km`` sequential steps for all the rows it
-drafts (``Bm`` of them): ``d0 + Km * (s0 + s1 * Bm)``. n-gram lookups are (nearly) free. On a GPU at
+``v0 + vB * B + vN * B * (W + 1) + vK * keys``: the verified tokens are one budget shared by the
+batch, and a guess inside the width is free. ``keys`` is the round's context, the cached tokens its
+rows attend to: the same whatever the widths, but a round of 64 rows at 300 tokens of context costs
+three times one at 50 on the demo target, and a fit blind to it blames the width for the growth.
+The draft model runs ``Km`` sequential steps for all the rows it drafts (``Bm`` of them):
+``d0 + Km * (s0 + s1 * Bm)``. n-gram lookups are (nearly) free. On a GPU at
 small batch ``vN`` is ~0 (memory-bound) and k goes up; at large batch, or on a CPU, ``vN * B``
 dominates and k falls, down to 0 where a guess costs more than it is expected to yield.
 
@@ -49,13 +52,20 @@ class CostModel:
     d0: float = 0.0  # draft model: fixed per round that uses it (a network round trip, say)
     d_step: float = 0.0  # draft model: per step
     d_step_row: float = 0.0  # draft model: per step and per drafted row
+    v_key: float = 0.0  # verify: per cached token the round's rows attend to (their context)
     # Measured deviation from the line, seconds, by the round's verified tokens B * (W + 1) (0 past
     # its end). Kernels work on blocks of rows, so a verified token more costs a staircase, not a
     # line: on this CPU the bf16 kernel takes 3 rows per pass over the weights.
     by_tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
 
-    def verify(self, rows: int, width: int) -> float:
-        return self.v0 + self.v_row * rows + self.v_token * rows * (width + 1) + self.extra(rows * (width + 1))
+    def verify(self, rows: int, width: int, keys: int = 0) -> float:
+        return (
+            self.v0
+            + self.v_row * rows
+            + self.v_token * rows * (width + 1)
+            + self.v_key * keys
+            + self.extra(rows * (width + 1))
+        )
 
     def extra(self, tokens: int) -> float:
         t = self.by_tokens
@@ -105,6 +115,7 @@ def choose_blocks(
     forced_k: np.ndarray | None = None,
     forced_drafter: np.ndarray | None = None,
     width_range: tuple[int, int] | None = None,
+    keys: int = 0,
 ) -> Choice:
     """Per-row k and drafter maximising expected tokens / expected cost for one round.
 
@@ -115,6 +126,7 @@ def choose_blocks(
     forced_k / forced_drafter [B] (-1 = free): rows whose k and drafter are already decided (a
         fixed-method request, a seeded one); they are priced in and constrain the width.
     width_range: (lo, hi) bounds on the width (exploration); default any.
+    keys: the round's context (cached tokens its rows attend to), priced whatever the widths.
 
     Enumerates the width W and the model steps Km <= W (at most (kmax+1)^2 pairs, vectorised over
     rows). For one (W, Km), a guess within the width costs nothing more, so each free row takes the
@@ -125,7 +137,7 @@ def choose_blocks(
     """
     B, _, kmax = acceptance.shape
     if B == 1 and (forced_k is None or forced_k[0] < 0):
-        return _choose_one(acceptance[0], int(match_len[0]), bool(model_ok[0]), int(cap[0]), cost, width_range)
+        return _choose_one(acceptance[0], int(match_len[0]), bool(model_ok[0]), int(cap[0]), cost, width_range, keys)
     if forced_k is None:
         forced_k = np.full(B, -1)
     if forced_drafter is None:
@@ -157,7 +169,7 @@ def choose_blocks(
     base = np.where(free[None, :], e_ng, 0.0)[:, None, :]  # [W, 1, B]
     e_model = e_m[None, :, :]  # [1, Km, B]
     can_model = (free & model_ok)[None, None, :] & (m_k > 0)[None, :, :]
-    fixed_verify = cost.v0 + cost.v_row * B
+    fixed_verify = cost.v0 + cost.v_row * B + cost.v_key * keys
 
     def evaluate(rate: float):
         # Drafting one more row costs d_step_row per step, priced at the round's goodput.
@@ -187,7 +199,7 @@ def choose_blocks(
         )
 
     # Speculating nowhere prices the first pass; then one refinement at the goodput found.
-    none_cost = cost.verify(B, forced_width) + cost.draft(forced_steps, forced_model_rows)
+    none_cost = cost.verify(B, forced_width, keys) + cost.draft(forced_steps, forced_model_rows)
     best = evaluate((forced_tokens + float(free.sum())) / none_cost)
     if cost.d_step_row > 0:  # the goodput only prices extra model rows
         refined = evaluate(best[0])
@@ -202,7 +214,7 @@ def choose_blocks(
 
 
 def _choose_one(
-    acceptance: np.ndarray, match_len: int, model_ok: bool, cap: int, cost: CostModel, width_range
+    acceptance: np.ndarray, match_len: int, model_ok: bool, cap: int, cost: CostModel, width_range, keys: int = 0
 ) -> Choice:
     """:func:`choose_blocks` for a batch of one free row, in plain Python: at batch 1 a round is a
     few milliseconds, and some fifty small numpy calls would cost a noticeable share of it.
@@ -216,7 +228,7 @@ def _choose_one(
     top = {NGRAM: min(match_len, cap, hi), MODEL: min(cap, hi) if model_ok else 0}
     if lo > max(top.values()):  # nothing reaches the range: the widest below it
         lo = max(top.values())
-    verify = [cost.verify(1, k) for k in range(max(top.values()) + 1)]  # by k
+    verify = [cost.verify(1, k, keys) for k in range(max(top.values()) + 1)]  # by k
     best = (1.0 / verify[0], 1.0, 0, -1, verify[0]) if lo == 0 else None  # (ratio, tokens, k, drafter, cost)
     # n-gram first, then the model, small k first: ties keep the earlier, cheaper option.
     for d in (NGRAM, MODEL):
@@ -233,7 +245,9 @@ def _choose_one(
     return Choice(np.array([k]), np.array([drafter]), k, k if drafter == MODEL else 0, tokens, c)
 
 
-def _forced_choice(acceptance: np.ndarray, ks: np.ndarray, drafters: np.ndarray, cost: CostModel) -> Choice:
+def _forced_choice(
+    acceptance: np.ndarray, ks: np.ndarray, drafters: np.ndarray, cost: CostModel, keys: int = 0
+) -> Choice:
     """The round of rows whose k and drafter are all decided already, priced like any other."""
     kmax = acceptance.shape[-1]
     ks = np.minimum(np.maximum(ks, 0), kmax)
@@ -244,7 +258,7 @@ def _forced_choice(acceptance: np.ndarray, ks: np.ndarray, drafters: np.ndarray,
     model = drafters == MODEL
     steps = int(ks[model].max()) if model.any() else 0
     width = int(ks.max()) if len(ks) else 0
-    c = cost.verify(len(ks), width) + cost.draft(steps, int(model.sum()))
+    c = cost.verify(len(ks), width, keys) + cost.draft(steps, int(model.sum()))
     return Choice(ks.astype(int), drafters.astype(int), width, steps, tokens, c)
 
 
@@ -428,12 +442,22 @@ class _ShapedFit:
 
 
 # Prior shape of the cost model, in units of one fixed verify cost: a guess token or a row costs a
-# tenth of it, a draft step 12% (the demo pair on a CPU core is near this; the real pair's draft
-# is dearer, and a GPU's verify at small batch cheaper per token, which the fit learns).
-_VERIFY_SHAPE = np.array([1.0, 0.1, 0.1])
-_DRAFT_SHAPE = np.array([0.02, 0.12, 0.03])
-# The cost model seeded requests are planned with: fixed, so their k never depends on timings.
-REFERENCE_COST = CostModel(*_VERIFY_SHAPE, *_DRAFT_SHAPE)
+# tenth of it, a cached token of context attended to 0.03% (between the demo target's 0.1% and
+# the real pair's 0.003%), a draft step 12% (the demo pair on a CPU core is near this; the real
+# pair's draft is dearer, and a GPU's verify at small batch cheaper per token, which the fit learns).
+_VERIFY_SHAPE = np.array([1.0, 0.1, 0.1, 3e-4])  # v0, v_row, v_token, v_key
+_DRAFT_SHAPE = np.array([0.02, 0.12, 0.03])  # d0, d_step, d_step_row
+
+
+def _cost(verify: np.ndarray, draft: np.ndarray, by_tokens: np.ndarray | None = None) -> CostModel:
+    v0, v_row, v_token, v_key = (float(x) for x in verify)
+    d0, d_step, d_step_row = (float(x) for x in draft)
+    return CostModel(v0, v_row, v_token, d0, d_step, d_step_row, v_key, by_tokens)
+
+
+# The cost model seeded requests are planned with: fixed, so their k never depends on timings. It
+# prices no context: a seeded row's plan must not depend on what shares its batch.
+REFERENCE_COST = _cost(_VERIFY_SHAPE * [1, 1, 1, 0], _DRAFT_SHAPE)
 
 
 @dataclass
@@ -448,6 +472,7 @@ class RowPlan:
     forced_k: int = -1  # -1: the controller decides
     forced_drafter: int = -1
     deterministic: bool = False  # plan from the row alone with fixed priors (seeded sampling)
+    context: int = 0  # tokens in the row's cache (what its verification attends to)
 
 
 @dataclass
@@ -531,7 +556,7 @@ class SpeculationController:
         # Until the draft model has been timed, its steps are priced at the prior's share of the
         # verify cost at the measured level.
         d = self.draft_fit.coef() if self.draft_fit.fitted else _DRAFT_SHAPE * (v[0] / _VERIFY_SHAPE[0])
-        return CostModel(*v, *d, by_tokens=self._step_sum / (self._step_n + self.cfg.step_prior_weight))
+        return _cost(v, d, self._step_sum / (self._step_n + self.cfg.step_prior_weight))
 
     # ------------------------------------------------------------------------- planning
 
@@ -567,15 +592,16 @@ class SpeculationController:
             forced_k,
             forced_d,
         )
+        keys = sum(r.context for r in rows)
         if (forced_k >= 0).all():  # nothing left to decide (seeded or fixed-method rows only)
-            choice = _forced_choice(acc, forced_k, forced_d, args[4])
+            choice = _forced_choice(acc, forced_k, forced_d, args[4], keys)
             self.stats.rounds += 1
             self.stats.chosen_k = choice.ks.tolist()
             return choice
-        choice = choose_blocks(*args)
+        choice = choose_blocks(*args, keys=keys)
         explore = self._exploration_range(choice, bool(((args[1] > 0) | args[2]).any()), kmax)
         if explore is not None:
-            choice = choose_blocks(*args, width_range=explore)
+            choice = choose_blocks(*args, width_range=explore, keys=keys)
             self.stats.explored += 1
         self.stats.rounds += 1
         self.stats.chosen_k = choice.ks.tolist()
@@ -585,10 +611,10 @@ class SpeculationController:
         """:meth:`plan` for a batch of one free row, without the batch's arrays (see _choose_one)."""
         acc = self.seq_acceptance(row.seq, self.global_acceptance(row.greedy))[:, :kmax]
         cost = self.cost_model()
-        choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, None)
+        choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, None, row.context)
         explore = self._exploration_range(choice, row.match_len > 0 or row.model_ok, kmax)
         if explore is not None:
-            choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, explore)
+            choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, explore, row.context)
             self.stats.explored += 1
         self.stats.rounds += 1
         self.stats.chosen_k = [int(choice.ks[0])]
@@ -602,7 +628,9 @@ class SpeculationController:
         u = self.rng.random()
         if choice.width == 0:  # speculation off (under load, say): only the cheapest probe
             return (1, 1) if u < self.cfg.explore_start else None
-        anywhere = self.cfg.explore_anywhere_young if self._timed_round < self.cfg.young_rounds else self.cfg.explore_anywhere
+        anywhere = (
+            self.cfg.explore_anywhere_young if self._timed_round < self.cfg.young_rounds else self.cfg.explore_anywhere
+        )
         if u < anywhere:
             w = self.rng.randint(1, kmax)
             return (w, w)
@@ -631,21 +659,29 @@ class SpeculationController:
             self.global_counts.record((int(greedy), drafter), proposed, accepted)
 
     def observe_costs(
-        self, rows: int, width: int, verify_seconds: float, model_steps: int, model_rows: int, draft_seconds: float
+        self,
+        rows: int,
+        width: int,
+        verify_seconds: float,
+        model_steps: int,
+        model_rows: int,
+        draft_seconds: float,
+        keys: int = 0,
     ) -> None:
-        """One round's timings: verification of ``rows`` x ``width + 1`` tokens (and the emit that
-        follows), and ``model_steps`` draft-model steps for ``model_rows`` rows (0 if unused)."""
+        """One round's timings: verification of ``rows`` x ``width + 1`` tokens over ``keys`` tokens
+        of context (and the emit that follows), and ``model_steps`` draft-model steps for
+        ``model_rows`` rows (0 if unused)."""
         cfg = self.cfg
         c = self.cost_model()
         timed_verify, timed_draft = self._timed_round > 0, self.draft_fit.fitted or bool(self._pending["draft"])
         self._timed_round += 1
         # A round far slower than predicted (another process took the core) is clipped, not trusted.
-        limit = cfg.outlier_factor * c.verify(rows, width) if timed_verify else np.inf
+        limit = cfg.outlier_factor * c.verify(rows, width, keys) if timed_verify else np.inf
         y = min(verify_seconds, limit)
-        self._pending["verify"].append((self._timed_round, (1.0, rows, rows * (width + 1.0)), y))
+        self._pending["verify"].append((self._timed_round, (1.0, rows, rows * (width + 1.0), float(keys)), y))
         tokens = rows * (width + 1)
         if timed_verify and tokens < cfg.step_tokens:
-            deviation = y - (c.verify(rows, width) - c.extra(tokens))  # from the line
+            deviation = y - (c.verify(rows, width, keys) - c.extra(tokens))  # from the line
             self._step_sum[tokens] = self._step_sum[tokens] * cfg.step_decay + deviation
             self._step_n[tokens] = self._step_n[tokens] * cfg.step_decay + 1.0
         if model_steps > 0 and model_rows > 0:

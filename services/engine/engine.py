@@ -313,6 +313,7 @@ class Engine:
         matched: dict[int, torch.Tensor] = {}
         if planned:
             ks, routes, matched = self._plan(seqs, ks, routes)
+            keys = sum(len(s.tokens) for s in seqs)  # the round's context, before it grows
         t0 = time.perf_counter()
         # [B, K], [B, K, V] | None, per row NGRAM / MODEL / -1, and the draft model's share of the work
         guesses, q, drafted, model_work = self._propose(seqs, ks, routes, matched, sampling)
@@ -332,7 +333,7 @@ class Engine:
         for seq, row, d, k in zip(seqs, host, drafted, ks):
             outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], drafter=d, k=k))
         if planned:
-            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t_round + between)
+            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t_round + between, keys)
         if any(s.decoding for s in self.running.values()):
             self._decoding_since = time.perf_counter()
         return outputs
@@ -465,12 +466,34 @@ class Engine:
                 # A seeded sampled request is planned from its own history alone, so it repeats
                 # exactly whatever shares its batch and however fast the rounds run.
                 deterministic = not p.greedy and p.seed is not None
+                # A draft not ready for the row (prefilling it, or past its context) is no option;
+                # a seeded row's plan leaves readiness out, as it does everything outside the row.
+                model_ok = have_model and (deterministic or self.model_drafter.ready(seq.req.request_id))
                 rows.append(
-                    RowPlan(seq.acceptance, p.greedy, k, len(matches.get(i, ())), have_model, -1, -1, deterministic)
+                    RowPlan(
+                        seq.acceptance,
+                        p.greedy,
+                        k,
+                        len(matches.get(i, ())),
+                        model_ok,
+                        deterministic=deterministic,
+                        context=len(seq.tokens),
+                    )
                 )
             else:
                 drafter = {"draft": MODEL, "hybrid": MODEL, "ngram": NGRAM}.get(routes[i], -1)
-                rows.append(RowPlan(seq.acceptance, p.greedy, k, 0, False, k if drafter >= 0 else 0, drafter))
+                rows.append(
+                    RowPlan(
+                        seq.acceptance,
+                        p.greedy,
+                        k,
+                        0,
+                        False,
+                        k if drafter >= 0 else 0,
+                        drafter,
+                        context=len(seq.tokens),
+                    )
+                )
         choice = self.controller.plan(rows, max(ks))
         ks, routes = list(ks), list(routes)
         pre: dict[int, torch.Tensor] = {}
@@ -489,7 +512,14 @@ class Engine:
         return ks, routes, pre
 
     def _observe(
-        self, seqs: list[_Seq], host: list[list[int]], drafted: list[int], width: int, model_work, seconds: float
+        self,
+        seqs: list[_Seq],
+        host: list[list[int]],
+        drafted: list[int],
+        width: int,
+        model_work,
+        seconds: float,
+        keys: int,
     ) -> None:
         """Feed the controller what this round did: per row who guessed, how many, how many passed;
         and the round's timings (``seconds``: the whole round, and the caller's work since the
@@ -497,12 +527,19 @@ class Engine:
         rows = []
         for seq, row, d in zip(seqs, host, drafted):
             proposed, emitted = row[-1], row[-2]
+            if d == MODEL and proposed == 0:
+                # Asked and got nothing (a remote draft still prefilling the row, or out of time):
+                # a first guess that failed, so what the model is expected to give counts how
+                # often it gives anything. Else a row the draft never serves looks as good as
+                # one it does, and a round verifies a width nobody fills.
+                rows.append((seq.acceptance, seq.req.params.greedy, MODEL, 1, 0))
+                continue
             rows.append((seq.acceptance, seq.req.params.greedy, d if proposed > 0 else -1, proposed, emitted - 1))
         self.controller.observe_rows(rows)
         steps, model_rows, model_seconds = model_work
         # A proposal that also prefilled (steps = 0: not timed) prices nothing, but its time is
         # still not verification's.
-        self.controller.observe_costs(len(seqs), width, seconds - model_seconds, steps, model_rows, model_seconds)
+        self.controller.observe_costs(len(seqs), width, seconds - model_seconds, steps, model_rows, model_seconds, keys)
 
     def _propose(
         self,

@@ -293,3 +293,51 @@ def test_a_staircase_verify_cost_is_learned(learn_steps: bool) -> None:
         assert mode == 5, np.bincount(widths[-300:])
     else:
         assert mode != 5, np.bincount(widths[-300:])  # the line alone misses it
+
+
+@pytest.mark.parametrize("price_context", [True, False])
+def test_a_verify_cost_that_grows_with_the_context_is_not_blamed_on_the_width(price_context: bool) -> None:
+    """32 rows whose context grows from 50 to 350 tokens, then again from 50: each cached token
+    attended to costs 4 us a round, as the demo target's does on a CPU. The best block is 1 guess
+    at a short context (the round is cheap, a token of width is dear beside it) and 2 at a long one.
+    Fed each round's context, the fit finds the per-token and per-key costs and the choice follows
+    the optimum; blind to it (the old cost model), the growth lands on the line and the short
+    context gets the long one's block."""
+    B, acc_p = 32, 0.6
+    true = CostModel(v0=3e-3, v_row=0.0, v_token=0.3e-3, v_key=4e-6)
+    rng = np.random.default_rng(0)
+    ctl = SpeculationController()
+    seqs = [SeqAcceptance(16) for _ in range(B)]
+    widths = []
+    for r in range(600):
+        ctx = 50 + r % 300
+        rows = [RowPlan(s, True, KMAX, 0, True, context=ctx if price_context else 0) for s in seqs]
+        ch = ctl.plan(rows, KMAX)
+        widths.append(ch.width)
+        outs = []
+        for s, k in zip(seqs, ch.ks.tolist()):
+            passed = 0
+            while passed < k and rng.random() < acc_p:
+                passed += 1
+            outs.append((s, True, MODEL if k else -1, k, passed))
+        ctl.observe_rows(outs)
+        keys = B * ctx
+        seconds = true.verify(B, ch.width, keys) * (1 + 0.05 * rng.standard_normal())
+        model_rows = B if ch.model_steps else 0
+        ctl.observe_costs(
+            B, ch.width, seconds, ch.model_steps, model_rows, 1e-4 * ch.model_steps, keys if price_context else 0
+        )
+    acc = np.full((B, 2, KMAX), acc_p)
+
+    def best(ctx: int) -> int:
+        return choose_blocks(acc, np.zeros(B, int), np.ones(B, bool), np.full(B, KMAX), true, keys=B * ctx).width
+
+    assert (best(75), best(330)) == (1, 2)  # the case is what it says
+    short = int(np.bincount(widths[310:340]).argmax())  # contexts 60-90, second pass
+    long = int(np.bincount(widths[560:600]).argmax())  # contexts 310-350
+    if price_context:
+        fit = ctl.cost_model()
+        assert abs(fit.v_key / true.v_key - 1) < 0.25 and abs(fit.v_token / true.v_token - 1) < 0.25, fit
+        assert (short, long) == (1, 2), (np.bincount(widths[310:340]), np.bincount(widths[560:600]))
+    else:
+        assert short == 2, np.bincount(widths[310:340])

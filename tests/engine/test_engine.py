@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.controller import MODEL, SpeculationController
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.model import VocabMismatchError
 from specd.services.engine.sampling import SamplingParams
@@ -216,3 +219,46 @@ def test_bad_requests_are_refused(engine: Engine) -> None:
 def test_draft_with_other_vocabulary_is_refused(tiny_pair, micro_pair) -> None:
     with pytest.raises(VocabMismatchError, match="vocabulary"):
         build_engine(ModelSpec(str(tiny_pair[0]), str(micro_pair[1]), "float32", "float32"))
+
+
+def test_auto_counts_a_draft_that_gives_a_row_nothing_as_a_failed_guess(engine: Engine, monkeypatch) -> None:
+    """A draft that answers a row with no guesses (a remote one still prefilling it, or out of
+    time) is recorded as a first guess that failed, so what method auto expects of the model for
+    that row counts how often the model gives it anything (test_controller: a row whose guesses
+    fail gets k = 0). Uncounted, the starved row kept the engine-wide rate and was planned as if
+    its guesses would come. Its batch mate's rounds are recorded as they went; both stay exact."""
+    drafter, ctl = engine.model_drafter, SpeculationController()  # no history from other tests
+    propose, plan, observe = drafter.propose, engine._plan, ctl.observe_rows
+    names: dict[int, str] = {}
+    records: dict[str, list[tuple[int, int, int]]] = {"a": [], "b": []}
+
+    def starve_a(rows, sampling):
+        prop = propose(rows, sampling)
+        token_ids = prop.token_ids.clone()
+        for i, row in enumerate(rows):
+            if row.seq_id == "a":
+                token_ids[i] = -1
+        return dataclasses.replace(prop, token_ids=token_ids)
+
+    def keep_names(seqs, ks, routes):
+        names.update((id(s.acceptance), s.req.request_id) for s in seqs)
+        return plan(seqs, ks, routes)
+
+    def keep_records(rows):
+        for seq, _greedy_row, drafter_code, proposed, accepted in rows:
+            records[names[id(seq)]].append((drafter_code, proposed, accepted))
+        observe(rows)
+
+    monkeypatch.setattr(drafter, "propose", starve_a)
+    monkeypatch.setattr(engine, "_plan", keep_names)
+    monkeypatch.setattr(ctl, "observe_rows", keep_records)
+    monkeypatch.setattr(engine, "controller", ctl)
+    ids = _ids(engine, PROMPTS[0])
+    reqs = [Request(name, ids, _greedy(40), SpecConfig("auto", 4)) for name in ("a", "b")]
+    out = engine.generate(reqs)
+    base = engine.generate([Request("base", ids, _greedy(40), SpecConfig("none", 0))])["base"].token_ids
+    assert out["a"].token_ids == base and out["b"].token_ids == base
+    asked_a = [r for r in records["a"] if r[0] == MODEL]
+    assert asked_a and all(r[1:] == (1, 0) for r in asked_a), records["a"]
+    # The mate's model rounds, where it had any, record the guesses that came.
+    assert all(r[1] >= 1 for r in records["b"] if r[0] == MODEL), records["b"]

@@ -237,9 +237,9 @@ def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(micro_pair,
     seen: list[tuple[int, int]] = []
     observe = engine.controller.observe_costs
 
-    def record(rows, width, verify_seconds, model_steps, model_rows, draft_seconds) -> None:
+    def record(rows, width, verify_seconds, model_steps, model_rows, draft_seconds, keys) -> None:
         seen.append((model_steps, model_rows))
-        observe(rows, width, verify_seconds, model_steps, model_rows, draft_seconds)
+        observe(rows, width, verify_seconds, model_steps, model_rows, draft_seconds, keys)
 
     engine.controller.observe_costs = record
     try:
