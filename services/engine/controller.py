@@ -171,7 +171,7 @@ def choose_blocks(
     can_model = (free & model_ok)[None, None, :] & (m_k > 0)[None, :, :]
     fixed_verify = cost.v0 + cost.v_row * B + cost.v_key * keys
 
-    def evaluate(rate: float):
+    def evaluate(rate: float, ranged: bool = True):
         # Drafting one more row costs d_step_row per step, priced at the round's goodput.
         use_model = can_model & ((e_model - base) * (1 - 1e-9) > rate * K_ax[:, :, None] * cost.d_step_row)
         tokens = forced_tokens + np.where(use_model, e_model, base).sum(axis=-1)
@@ -182,7 +182,10 @@ def choose_blocks(
         width = np.maximum(np.maximum(widest_ng, forced_width), steps)
         c = fixed_verify + cost.v_token * B * (width + 1) + cost.extra_array(B * (width + 1))
         c = c + np.where(steps > 0, cost.d0 + steps * (cost.d_step + cost.d_step_row * bm), 0.0)
-        ratio = np.where(valid, tokens / c, -np.inf)
+        # The round's actual width (not only the n-gram's cap W) must lie in the range: a range
+        # asks for that width to be verified (exploration).
+        ok = valid & (width >= lo) & (width <= hi) if ranged else valid
+        ratio = np.where(ok, tokens / c, -np.inf)
         # argmax takes the first maximum: the smallest width, then the fewest steps.
         flat = int(np.argmax(ratio))
         w, km = divmod(flat, kmax + 1)
@@ -200,9 +203,13 @@ def choose_blocks(
 
     # Speculating nowhere prices the first pass; then one refinement at the goodput found.
     none_cost = cost.verify(B, forced_width, keys) + cost.draft(forced_steps, forced_model_rows)
-    best = evaluate((forced_tokens + float(free.sum())) / none_cost)
+    rate = (forced_tokens + float(free.sum())) / none_cost
+    best = evaluate(rate)
+    ranged = best[0] > -np.inf  # no row can reach the range: the best outside it
+    if not ranged:
+        best = evaluate(rate, ranged=False)
     if cost.d_step_row > 0:  # the goodput only prices extra model rows
-        refined = evaluate(best[0])
+        refined = evaluate(best[0], ranged)
         if refined[0] > best[0]:
             best = refined
     _, W, Km, use_model, ng_used, width, steps, tokens, c = best
@@ -326,6 +333,13 @@ class ControllerConfig:
     # with the width. Near the optimum goodput is flat in the width, so this costs little.
     explore_width: float = 0.1
     explore_start: float = 0.02  # per round, with speculation off everywhere: try a width of 1
+    # Past the young rounds and at a batch, a width tried anywhere may cost at most this share of
+    # the chosen round's expected goodput: at 64 rows on a CPU a width of 5 costs three rounds,
+    # and trying it teaches nothing worth that.
+    explore_max_loss: float = 0.15
+    # From this many rows up one guess more or fewer moves the verified tokens past a step of the
+    # kernels' blocks (3 rows on this CPU), so the neighbours see the staircase.
+    explore_bounded_rows: int = 4
     # Plan seeded sampled requests from their own history with fixed priors and costs (so they
     # repeat exactly); False plans them like any other row (tests of the timing-driven path).
     pin_seeded: bool = True
@@ -601,8 +615,8 @@ class SpeculationController:
         choice = choose_blocks(*args, keys=keys)
         explore = self._exploration_range(choice, bool(((args[1] > 0) | args[2]).any()), kmax)
         if explore is not None:
-            choice = choose_blocks(*args, width_range=explore, keys=keys)
-            self.stats.explored += 1
+            lo, hi, bounded = explore
+            choice = self._explored(choice, choose_blocks(*args, width_range=(lo, hi), keys=keys), bounded)
         self.stats.rounds += 1
         self.stats.chosen_k = choice.ks.tolist()
         return choice
@@ -614,30 +628,42 @@ class SpeculationController:
         choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, None, row.context)
         explore = self._exploration_range(choice, row.match_len > 0 or row.model_ok, kmax)
         if explore is not None:
-            choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, explore, row.context)
-            self.stats.explored += 1
+            lo, hi, bounded = explore
+            trial = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, (lo, hi), row.context)
+            choice = self._explored(choice, trial, bounded)
         self.stats.rounds += 1
         self.stats.chosen_k = [int(choice.ks[0])]
         return choice
 
-    def _exploration_range(self, choice: Choice, can_guess: bool, kmax: int) -> tuple[int, int] | None:
+    def _explored(self, best: Choice, trial: Choice, bounded: bool) -> Choice:
+        """The exploratory choice, unless ``bounded`` and it is expected to lose more than
+        explore_max_loss."""
+        if bounded and trial.goodput < (1.0 - self.cfg.explore_max_loss) * best.goodput:
+            return best
+        self.stats.explored += 1
+        return trial
+
+    def _exploration_range(self, choice: Choice, can_guess: bool, kmax: int) -> tuple[int, int, bool] | None:
         """Now and then verify a width off the optimum, so the cost fit sees how verify time grows
-        with the verified tokens (a batch that always runs one width cannot tell)."""
+        with the verified tokens (a batch that always runs one width cannot tell): (lo, hi, and
+        whether the trial is bounded by explore_max_loss). Only a width anywhere is bounded, and
+        only past the young rounds and from explore_bounded_rows rows up: the neighbours and the
+        first probe are what the fit learns slopes from, and at a small batch the staircase's steps
+        are only found by trying widths far from the chosen one."""
         if not can_guess or kmax <= 0:
             return None
         u = self.rng.random()
         if choice.width == 0:  # speculation off (under load, say): only the cheapest probe
-            return (1, 1) if u < self.cfg.explore_start else None
-        anywhere = (
-            self.cfg.explore_anywhere_young if self._timed_round < self.cfg.young_rounds else self.cfg.explore_anywhere
-        )
+            return (1, 1, False) if u < self.cfg.explore_start else None
+        young = self._timed_round < self.cfg.young_rounds
+        anywhere = self.cfg.explore_anywhere_young if young else self.cfg.explore_anywhere
         if u < anywhere:
             w = self.rng.randint(1, kmax)
-            return (w, w)
+            return (w, w, not young and len(choice.ks) >= self.cfg.explore_bounded_rows)
         u = (u - anywhere) / (1.0 - anywhere)
         if u < self.cfg.explore_width:
             w = choice.width + (1 if self.rng.random() < 0.5 and choice.width < kmax else -1)
-            return (w, w)
+            return (w, w, False)
         return None
 
     # ----------------------------------------------------------------------- observing

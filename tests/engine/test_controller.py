@@ -341,3 +341,37 @@ def test_a_verify_cost_that_grows_with_the_context_is_not_blamed_on_the_width(pr
         assert (short, long) == (1, 2), (np.bincount(widths[310:340]), np.bincount(widths[560:600]))
     else:
         assert short == 2, np.bincount(widths[310:340])
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_exploration_at_a_large_batch_never_tries_a_width_far_from_paying(bounded: bool) -> None:
+    """64 rows, each verified token 0.2 ms beside 30 ms a round: blocks of 1-2 pay best, 5 and 6
+    lose over 20% of that. Past the young rounds a width tried anywhere must be expected to keep
+    85% of the chosen round's goodput, so those are never verified; unbounded, they were."""
+    from specd.services.engine.controller import ControllerConfig
+
+    B = 64
+    true = CostModel(v0=30e-3, v_row=0.0, v_token=0.2e-3)
+    ctl = SpeculationController(ControllerConfig(explore_max_loss=0.15 if bounded else 1.0))
+    for w in list(range(KMAX + 1)) * 20:  # a server that has seen every width (and is past young)
+        ctl.observe_costs(B, w, true.verify(B, w), w, B, 1e-5 * w)
+    seqs = [SeqAcceptance(16) for _ in range(B)]
+    rng = np.random.default_rng(0)
+    widths = []
+    for _ in range(1500):
+        ch = ctl.plan([RowPlan(s, True, KMAX, 0, True) for s in seqs], KMAX)
+        widths.append(ch.width)
+        outs = []
+        for s, k in zip(seqs, ch.ks.tolist()):
+            passed = 0
+            while passed < k and rng.random() < 0.6:
+                passed += 1
+            outs.append((s, True, MODEL if k else -1, k, passed))
+        ctl.observe_rows(outs)
+        ctl.observe_costs(B, ch.width, true.verify(B, ch.width), ch.model_steps, B, 1e-5 * ch.model_steps)
+    late = np.bincount(widths[200:], minlength=KMAX + 1)
+    assert late[1:4].sum() > 0.9 * late.sum(), late  # it settles on a short block
+    if bounded:
+        assert late[5:].sum() == 0, late
+    else:
+        assert late[5:].sum() > 0, late
