@@ -12,7 +12,8 @@ In one run, interleaved:
   row from the measured timings.
 - **in-process**: the same code prompts through the :class:`Engine` in this process, batch 1,
   greedy, in every mode, once per pass, right after that pass's concurrency-1 greedy code runs (the
-  stack is idle meanwhile). Interleaving matters: this machine drifts by several percent over
+  stack is idle meanwhile). Within a cell the modes run in turn, in reverse order every other pass, so
+  a drift over the cell's minutes favours no mode. Interleaving matters: this machine drifts by several percent over
   minutes, and a ratio of two speed-ups measured minutes apart inherits that drift.
 
 The stack is started here, process by process (the commands of ``specd serve``, with the target's
@@ -28,7 +29,9 @@ target's (one thread: the same hardware as the target, doing the draft's work to
 
 Reported per (workload, temperature, concurrency, mode): time to first token, time between tokens
 p50/p99 (a chunk of n tokens counts as n gaps of its interval / n, as the gateway's histogram does),
-aggregate tokens/s, the speed-up over ``none``, acceptance and the mean k; per (workload,
+tokens/s (the median over passes of each pass's aggregate tokens/s, with every pass's figure beside
+it: one pass disturbed by anything else on the machine moves a median of three little, a total a
+lot), the speed-up over ``none``, acceptance and the mean k; per (workload,
 temperature, concurrency) how ``auto`` compares with the best of ``none`` and every fixed k (the
 issue's criterion: >= 0.95x the best, >= 0.97x none); and at concurrency 1 the stack's overhead
 against the in-process engine.
@@ -132,9 +135,13 @@ class LoadResult:
     accepted: int = 0
     passes: int = 0
     mean_k_sum: float = 0.0  # sum over requests of usage.speculation.mean_k times their passes
+    pass_rates: list[float] = field(default_factory=list)  # each pass's aggregate tokens/s
 
     @property
     def tokens_per_second(self) -> float:
+        """The median over passes of each pass's aggregate tokens/s."""
+        if self.pass_rates:
+            return statistics.median(self.pass_rates)
         return self.tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
@@ -294,6 +301,7 @@ async def _load(
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         res.wall_seconds = time.perf_counter() - t0
+    res.pass_rates = [res.tokens / res.wall_seconds]
     return res
 
 
@@ -306,6 +314,7 @@ def _merge(into: LoadResult, other: LoadResult) -> None:
     into.accepted += other.accepted
     into.passes += other.passes
     into.mean_k_sum += other.mean_k_sum
+    into.pass_rates += other.pass_rates
 
 
 class _InProcess:
@@ -402,7 +411,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                     # are compared are then measured within a minute of each other.
                     order = sorted(concurrencies, key=lambda c: c != 1)
                     for n, c in enumerate(order):
-                        for mode in cfg.modes:
+                        for mode in cfg.modes if rep % 2 == 0 else cfg.modes[::-1]:
                             for ahead, stack in stacks.items():
                                 if mode == cfg.modes[0] and ahead != first_way:
                                     continue
@@ -486,6 +495,7 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                             "requests": len(r.ttft),
                             "tokens": r.tokens,
                             "tokens_per_second": round(r.tokens_per_second, 1),
+                            "tokens_per_second_per_pass": [round(x, 1) for x in r.pass_rates],
                             "speedup": round(r.tokens_per_second / base.tokens_per_second, 3),
                             "ttft_ms_p50": round(1000 * statistics.median(r.ttft), 2),
                             "tbt_ms_p50": round(1000 * _pct(r.gaps, 0.5), 2),
@@ -582,9 +592,9 @@ def render(doc: dict) -> str:
     several = len({(r["layout"], r["draft_ahead"]) for r in doc["rows"] if r["draft_ahead"] is not None}) > 1
     extra_head = " layout | draft |" if several else ""
     lines = [
-        "| workload | T | concurrency | speculation | tokens/s | speed-up | mean k | acceptance | TTFT p50 (ms) "
-        "| TBT p50 (ms) | TBT p99 (ms) |" + extra_head,
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else ""),
+        "| workload | T | concurrency | speculation | tokens/s | per pass | speed-up | mean k | acceptance "
+        "| TTFT p50 (ms) | TBT p50 (ms) | TBT p99 (ms) |" + extra_head,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else ""),
     ]
     for r in doc["rows"]:
         acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
@@ -593,7 +603,8 @@ def render(doc: dict) -> str:
             extra = f" {r['layout']} | {'' if r['draft_ahead'] is None else _way(r['draft_ahead'])} |"
         lines.append(
             f"| {r['workload']} | {r['temperature']:g} | {r['concurrency']} | {r['mode']} | "
-            f"{r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {r['mean_k']:.2f} | {acc} | "
+            f"{r['tokens_per_second']:.1f} | {' / '.join(f'{x:.0f}' for x in r['tokens_per_second_per_pass'])} | "
+            f"{r['speedup']:.2f}x | {r['mean_k']:.2f} | {acc} | "
             f"{r['ttft_ms_p50']:.1f} | {r['tbt_ms_p50']:.2f} | {r['tbt_ms_p99']:.2f} |" + extra
         )
     if doc.get("ahead_vs_in_turn"):

@@ -71,6 +71,17 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
     assert (tmp_path / "engine_bench.png").stat().st_size > 10_000
 
 
+def test_serve_bench_reports_the_median_pass_so_one_disturbed_pass_moves_it_little() -> None:
+    from specd.benchmarks.serve_bench import LoadResult, _merge
+
+    total = LoadResult("code", 0.0, 1, ("none", 0), tokens=640, wall_seconds=2.0, pass_rates=[320.0])
+    for tokens, wall in ((640, 10.0), (640, 2.1)):  # a pass slowed 5x by another job, then a normal one
+        _merge(total, LoadResult("code", 0.0, 1, ("none", 0), tokens=tokens, wall_seconds=wall,
+                                 pass_rates=[tokens / wall]))  # fmt: skip
+    assert total.tokens == 1920 and total.pass_rates == [320.0, 64.0, 640 / 2.1]
+    assert total.tokens_per_second == 640 / 2.1  # the aggregate would be 1920 / 14.1 = 136
+
+
 def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> None:
     """``bench --serve`` starts a real stack, sends every mode (none, fixed k, auto) through it and
     through the engine, and reports each against the same baseline (no timing is asserted)."""
@@ -89,6 +100,7 @@ def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> Non
         assert r["tokens"] == 8 * r["requests"] and r["requests"] > 0  # every token came back
         assert (r["acceptance_rate"] is None) == (mode == "none") or r["method"] == "auto"
         assert 0 <= r["mean_k"] <= 3 and (r["mean_k"] == 0) == (mode == "none") or r["method"] == "auto"
+        assert r["tokens_per_second_per_pass"] == [r["tokens_per_second"]]  # --quick: one pass
     c1 = doc["concurrency_1"]
     assert set(c1) == set(modes)
     for mode in modes[1:]:
