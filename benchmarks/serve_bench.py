@@ -128,7 +128,6 @@ class LoadResult:
     concurrency: int
     mode: Mode
     tokens: int = 0
-    wall_seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     proposed: int = 0
@@ -140,9 +139,7 @@ class LoadResult:
     @property
     def tokens_per_second(self) -> float:
         """The median over passes of each pass's aggregate tokens/s."""
-        if self.pass_rates:
-            return statistics.median(self.pass_rates)
-        return self.tokens / self.wall_seconds if self.wall_seconds else 0.0
+        return statistics.median(self.pass_rates)
 
 
 class _Stack:
@@ -300,14 +297,13 @@ async def _load(
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
-        res.wall_seconds = time.perf_counter() - t0
-    res.pass_rates = [res.tokens / res.wall_seconds]
+        wall = time.perf_counter() - t0
+    res.pass_rates = [res.tokens / wall]
     return res
 
 
 def _merge(into: LoadResult, other: LoadResult) -> None:
     into.tokens += other.tokens
-    into.wall_seconds += other.wall_seconds
     into.ttft += other.ttft
     into.gaps += other.gaps
     into.proposed += other.proposed

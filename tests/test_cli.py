@@ -74,10 +74,9 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
 def test_serve_bench_reports_the_median_pass_so_one_disturbed_pass_moves_it_little() -> None:
     from specd.benchmarks.serve_bench import LoadResult, _merge
 
-    total = LoadResult("code", 0.0, 1, ("none", 0), tokens=640, wall_seconds=2.0, pass_rates=[320.0])
+    total = LoadResult("code", 0.0, 1, ("none", 0), tokens=640, pass_rates=[640 / 2.0])
     for tokens, wall in ((640, 10.0), (640, 2.1)):  # a pass slowed 5x by another job, then a normal one
-        _merge(total, LoadResult("code", 0.0, 1, ("none", 0), tokens=tokens, wall_seconds=wall,
-                                 pass_rates=[tokens / wall]))  # fmt: skip
+        _merge(total, LoadResult("code", 0.0, 1, ("none", 0), tokens=tokens, pass_rates=[tokens / wall]))
     assert total.tokens == 1920 and total.pass_rates == [320.0, 64.0, 640 / 2.1]
     assert total.tokens_per_second == 640 / 2.1  # the aggregate would be 1920 / 14.1 = 136
 
