@@ -305,6 +305,7 @@ def _serve_bench(args: argparse.Namespace) -> int:
                 temperatures=tuple(float(t) for t in (args.temperatures or "0").split(",")),
                 max_batch_size=args.max_batch_size,
                 repeats=args.repeats or 3,
+                min_requests=args.min_requests,
                 out_dir=args.out,
                 quick=args.quick,
                 draft_ahead=draft_ahead,
@@ -616,6 +617,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--quick", action="store_true", help="two prompts, short outputs (smoke test)")
+    b.add_argument(
+        "--min-requests",
+        type=int,
+        default=24,
+        help="--serve: requests per cell and pass, at least (each stream runs at least two)",
+    )
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     b.add_argument("--no-llama-cpp", action="store_true", help="--pair: skip llama.cpp's llama-server")
     b.add_argument(

@@ -81,6 +81,17 @@ def test_serve_bench_reports_the_median_pass_so_one_disturbed_pass_moves_it_litt
     assert total.tokens_per_second == 640 / 2.1  # the aggregate would be 1920 / 14.1 = 136
 
 
+def test_serve_bench_runs_enough_requests_per_cell_for_every_stream() -> None:
+    from specd.benchmarks.serve_bench import ServeBenchConfig, requests_per_stream
+
+    cfg = ServeBenchConfig(target="t", draft="d", min_requests=24)
+    # At least 24 requests a cell, and every stream runs at least two (its first one pays the start).
+    assert [requests_per_stream(cfg, c, 6) for c in (1, 4, 16, 32, 64)] == [24, 6, 2, 2, 2]
+    assert requests_per_stream(ServeBenchConfig(target="t", draft="d", min_requests=10), 4, 6) == 3
+    quick = ServeBenchConfig(target="t", draft="d", quick=True)
+    assert [requests_per_stream(quick, c, 2) for c in (1, 2, 4)] == [2, 1, 2]
+
+
 def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> None:
     """``bench --serve`` starts a real stack, sends every mode (none, fixed k, auto) through it and
     through the engine, and reports each against the same baseline (no timing is asserted)."""
@@ -108,5 +119,7 @@ def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> Non
         assert c1[mode]["in_process_tokens_per_second"] > 0
     verdicts = doc["auto_vs_others"]
     assert [v["concurrency"] for v in verdicts] == [1, 4] and all(v["auto_vs_best"] > 0 for v in verdicts)
+    for v in verdicts:  # one pass: its paired ratio is the cell's
+        assert v["auto_vs_best_per_pass"] == [v["auto_vs_best"]] and v["auto_vs_none_per_pass"] == [v["auto_vs_none"]]
     assert "| code | 0 | 1 | draft k=3 |" in res.stdout and "auto / best" in res.stdout
     assert (tmp_path / "serve_bench.png").stat().st_size > 10_000
