@@ -176,6 +176,7 @@ class _Stack:
             dtype=cfg.dtype,
             draft_ahead=draft_ahead,
             pin_cores=cores,
+            max_batch_size=cfg.batch_size,  # every concurrent stream in one batch
         )
         tag = f"{_layout(cores is not None)}-{'ahead' if draft_ahead else 'in-turn'}"
         self.log = open(Path(cfg.out_dir) / f"{cfg.name}.{tag}.log.tmp", "wb")  # noqa: SIM115
@@ -183,8 +184,6 @@ class _Stack:
         env = dict(os.environ)  # GOMP_SPINCOUNT included: each child is the CLI, which sets it (runtime.py)
         try:
             for name, cmd in _commands(serve_cfg):
-                if name == "target":  # every concurrent stream in one batch
-                    cmd = [*cmd, "--max-batch-size", str(cfg.batch_size)]
                 # die_with_parent (in child_options): a bench killed outright (a test's timeout, say)
                 # takes its stack with it.
                 self.procs.append(
