@@ -98,12 +98,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         giving the event loop a turn after each, so a round that arrives waits at most for the
         chunk or step in flight."""
         while inbox.empty():
-            if not self.worker.prefill_idle():
-                if not self.worker.ahead_pending(stream):
-                    break
+            if self.worker.prefill_idle():
+                pass
+            elif self.worker.ahead_pending(stream):
                 t0 = time.perf_counter()
                 if self.worker.ahead_step(stream):
                     metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
+            else:
+                break
             await asyncio.sleep(0)
         item = await inbox.get()
         if isinstance(item, BaseException):

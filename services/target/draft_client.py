@@ -265,7 +265,6 @@ class _SeqState:
     # it) and every seed still comes from the request's own seeded stream.
     seeds: torch.Generator | None = None
     next_seed: int = 0
-    prompt: list[int] | None = None  # until opened at the draft when admitted (RemoteDrafter.prefill)
 
 
 class RemoteDrafter:
@@ -293,15 +292,15 @@ class RemoteDrafter:
         self.on_round = on_round or (lambda report: None)
         self.blocks_by_source = dict.fromkeys(BLOCK_SOURCES, 0)  # since start, for tests and tools
         self.seqs: dict[str, _SeqState] = {}
-        self._unopened: list[str] = []  # added since the last step
+        self._unopened: list[tuple[str, list[int]]] = []  # (sequence, prompt) added since the last step
         self._round_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ Drafter protocol
 
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()), prompt=list(prompt_ids))
+        self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()))
         self.seqs[seq_id].endpoint.assigned += 1
-        self._unopened.append(seq_id)
+        self._unopened.append((seq_id, list(prompt_ids)))
 
     def prefill(self, budget: int) -> None:
         """Called every engine step, with or without work: each draft service prefills its own
@@ -326,20 +325,17 @@ class RemoteDrafter:
         at its first ask as before; an open the draft refuses is answered at that ask
         (UNKNOWN_SEQUENCE, then re-opened with the full context)."""
         rounds: dict[int, tuple[DraftEndpoint, draft_pb2.DraftRound]] = {}
-        for seq_id in self._unopened:
+        for seq_id, prompt in self._unopened:
             st = self.seqs.get(seq_id)
-            if st is None or st.prompt is None:
+            if st is None:
                 continue
-            prompt, st.prompt = st.prompt, None
             ep = st.endpoint
             if st.full or not ep.up or ep.stream is None or seq_id in ep.opened:
                 continue
             if ep.max_context is not None and len(prompt) >= ep.max_context:
                 continue
             _, msg = rounds.setdefault(id(ep), (ep, draft_pb2.DraftRound(round_id=0)))
-            msg.open.add(sequence_id=seq_id, token_ids=prompt, sampling=st.sampling)
-            ep.opened.add(seq_id)
-            st.known, st.num_accepted = len(prompt), 0
+            self._open(ep, msg, seq_id, prompt)
         self._unopened.clear()
         for ep, msg in rounds.values():
             ep.stream.send(msg)
@@ -493,6 +489,14 @@ class RemoteDrafter:
         st.full = True
         self._release(st.endpoint, seq_id)
 
+    def _open(self, ep: DraftEndpoint, msg: draft_pb2.DraftRound, seq_id: str, tokens: Sequence[int]) -> None:
+        """Add the sequence's opening (its whole context so far) to ``msg``; the draft has then seen
+        ``tokens`` and no proposal of it is outstanding."""
+        st = self.seqs[seq_id]
+        msg.open.add(sequence_id=seq_id, token_ids=tokens, sampling=st.sampling)
+        ep.opened.add(seq_id)
+        st.known, st.num_accepted = len(tokens), 0
+
     def _round_msg(self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]]) -> draft_pb2.DraftRound:
         msg = draft_pb2.DraftRound(round_id=round_id, draft_ahead=self.cfg.draft_ahead)
         for r, k in asks:
@@ -508,9 +512,7 @@ class RemoteDrafter:
                 seed, st.next_seed = st.next_seed, draw_seed(st.seeds)
                 next_seed = st.next_seed
             if r.seq_id not in ep.opened:
-                msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
-                ep.opened.add(r.seq_id)
-                st.known, st.num_accepted = len(r.tokens), 0
+                self._open(ep, msg, r.seq_id, r.tokens)
             msg.rows.add(
                 sequence_id=r.seq_id,
                 num_accepted=st.num_accepted,
