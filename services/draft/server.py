@@ -93,19 +93,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self._close_stream(stream)
 
     async def _next_round(self, stream: str, inbox: asyncio.Queue) -> draft_pb2.DraftRound | None:
-        """The stream's next round (None at its end). Until it comes, prefill the prompts opened
-        (a chunk at a time), then draft ahead one batched step at a time (services/draft/ahead.py),
-        giving the event loop a turn after each, so a round that arrives waits at most for the
-        chunk or step in flight."""
-        while inbox.empty():
-            if self.worker.prefill_idle():
-                pass
-            elif self.worker.ahead_pending(stream):
-                t0 = time.perf_counter()
-                if self.worker.ahead_step(stream):
-                    metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
-            else:
-                break
+        """The stream's next round (None at its end). Until it comes, draft ahead one batched step
+        at a time (services/draft/ahead.py), giving the event loop a turn after each, so a round
+        that arrives waits at most for the step in flight."""
+        while inbox.empty() and self.worker.ahead_pending(stream):
+            t0 = time.perf_counter()
+            if self.worker.ahead_step(stream):
+                metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
             await asyncio.sleep(0)
         item = await inbox.get()
         if isinstance(item, BaseException):

@@ -140,14 +140,6 @@ class DraftWorker:
         lane = self.lanes.get(stream)
         return lane is not None and lane.step()
 
-    def prefill_idle(self) -> bool:
-        """One chunk of the prompts still to prefill, between rounds; False when there was none.
-
-        Targets open sequences when they admit them (services/target/draft_client.py), so the
-        prompts are prefilled here while the target prefills and verifies, and a sequence's first
-        round finds it ready."""
-        return self.drafter.prefill(self.prefill_chunk) > 0
-
     def open(self, stream: str, seq: OpenSeq) -> BlockError:
         """Start a sequence; BlockError.NONE on success."""
         k = self.key(stream, seq.seq_id)
