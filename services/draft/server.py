@@ -136,6 +136,7 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
     drafter = ModelDrafter(
         model, cfg.max_sequences, max_len + MAX_SPECULATIVE_TOKENS + 2, cfg.support, cfg.kv_cache_memory
     )
+    drafter.warm_up()
     info = common_pb2.InfoResponse(
         model_name=cfg.model_name,
         vocab_size=model.info.vocab_size,

@@ -24,6 +24,7 @@ from specd.services.engine.model import CausalLM
 from specd.services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import SparseProbs, truncate_probs
+from specd.services.engine.warmup import warm_up
 
 
 @dataclass
@@ -222,6 +223,10 @@ class ModelDrafter:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self.cache.release(seq.slot)
+
+    def warm_up(self) -> None:
+        """Run the model once (a prefill, a decode step), so the first proposal is not a cold one."""
+        warm_up(self.model, self.cache, (1, 2))
 
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         seq = self.seqs[seq_id]

@@ -62,6 +62,7 @@ from specd.services.engine.rejection import greedy_verify, rejection_sample
 from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed, make_generator, processed_probs
 from specd.services.engine.sparse import SparseProbs
 from specd.services.engine.stats import SpecStats
+from specd.services.engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class EngineConfig:
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes of the target's block pool (an in-process
     # draft gets a pool of as many positions)
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    warm_up: bool = True  # run each model once at start (services/engine/warmup.py)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -224,6 +226,10 @@ class Engine:
             draft_memory = blocks * bs * draft.kv_bytes_per_token
             drafter = ModelDrafter(draft, config.max_batch_size, cache_len, 0, draft_memory, bs)
         self.model_drafter: Drafter | None = drafter  # the draft model, here or remote; None: n-gram only
+        if config.warm_up:
+            warm_up(target, self.cache)
+            if isinstance(drafter, ModelDrafter):
+                drafter.warm_up()
         self.eos = frozenset(target.info.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, _Seq] = {}

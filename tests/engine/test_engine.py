@@ -262,3 +262,34 @@ def test_auto_counts_a_draft_that_gives_a_row_nothing_as_a_failed_guess(engine: 
     assert asked_a and all(r[1:] == (1, 0) for r in asked_a), records["a"]
     # The mate's model rounds, where it had any, record the guesses that came.
     assert all(r[1] >= 1 for r in records["b"] if r[0] == MODEL), records["b"]
+
+
+def test_warm_up_runs_each_model_and_leaves_both_caches_empty(tiny_pair) -> None:
+    from specd.services.engine.model import load_model
+    from specd.services.engine.warmup import warm_up
+
+    target, draft = tiny_pair
+    spec = ModelSpec(target=str(target), draft=str(draft), target_dtype="float32", draft_dtype="float32")
+    cold = build_engine(spec, EngineConfig(max_batch_size=2, max_model_len=64, warm_up=False))
+    warm = build_engine(spec, EngineConfig(max_batch_size=2, max_model_len=64))
+    for e in (cold, warm):
+        assert e.cache.free_slots == 2 and e.cache.free_blocks == e.cache.num_blocks
+        assert e.model_drafter.cache.free_slots == 2
+        assert e.model_drafter.cache.free_blocks == e.model_drafter.cache.num_blocks
+    # Warmed up or not, the same greedy text.
+    outs = [
+        e.generate([Request("w", _ids(e, PROMPTS[0]), _greedy(24), SpecConfig("draft", 3))])["w"].token_ids
+        for e in (cold, warm)
+    ]
+    assert outs[0] == outs[1] and len(outs[0]) == 24
+
+    model = load_model(str(target), torch.float32, "cpu")
+    calls = []
+    forward = model.forward
+    model.forward = lambda ids, *a, **kw: calls.append(tuple(ids.shape)) or forward(ids, *a, **kw)
+    cache = model.new_paged_cache(1, 8, 16, 64)
+    assert warm_up(model, cache, (1, 4))
+    assert calls == [(1, 16), (1, 1), (1, 4)]  # a prefill, then a decode pass per width
+    assert cache.free_slots == 1 and cache.free_blocks == 8
+    cache.allocate()  # no slot left: nothing runs, nothing fails
+    assert not warm_up(model, cache, (1, 4)) and len(calls) == 3
