@@ -43,5 +43,7 @@ def block_to_pb(b: BlockOut) -> draft_pb2.Block:
     return msg
 
 
-def blocks_to_pb(round_id: int, blocks: list[BlockOut]) -> draft_pb2.DraftBlocks:
-    return draft_pb2.DraftBlocks(round_id=round_id, blocks=[block_to_pb(b) for b in blocks])
+def blocks_to_pb(round_id: int, blocks: list[BlockOut], prefilled_tokens: int = 0) -> draft_pb2.DraftBlocks:
+    return draft_pb2.DraftBlocks(
+        round_id=round_id, blocks=[block_to_pb(b) for b in blocks], prefilled_tokens=prefilled_tokens
+    )

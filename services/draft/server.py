@@ -55,7 +55,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if err is not BlockError.NONE:
                 errors[seq.seq_id] = err
         reqs = [r for r in convert.rows_from_pb(rnd) if r.seq_id not in errors]
+        prefilled = self.worker.prefilled_tokens
         blocks = self.worker.propose(stream, reqs, rnd.draft_ahead) if reqs else []
+        prefilled = self.worker.prefilled_tokens - prefilled
         blocks += [BlockOut(s, error=e) for s, e in errors.items()]
         if rnd.rows:
             metrics.DRAFT_BLOCK_SECONDS.observe(time.perf_counter() - t0)
@@ -63,7 +65,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if b.token_ids:
                     metrics.DRAFT_BLOCKS.labels(source=b.source).inc()
         metrics.DRAFT_SEQUENCES.set(self.worker.active)
-        return convert.blocks_to_pb(rnd.round_id, blocks)
+        return convert.blocks_to_pb(rnd.round_id, blocks, prefilled)
 
     def _close_stream(self, stream: str) -> None:
         freed = self.worker.release_stream(stream)
@@ -93,13 +95,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self._close_stream(stream)
 
     async def _next_round(self, stream: str, inbox: asyncio.Queue) -> draft_pb2.DraftRound | None:
-        """The stream's next round (None at its end). Until it comes, draft ahead one batched step
-        at a time (services/draft/ahead.py), giving the event loop a turn after each, so a round
-        that arrives waits at most for the step in flight."""
-        while inbox.empty() and self.worker.ahead_pending(stream):
-            t0 = time.perf_counter()
-            if self.worker.ahead_step(stream):
-                metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
+        """The stream's next round (None at its end). Until it comes, prefill the prompts opened
+        (a chunk at a time), then draft ahead one batched step at a time (services/draft/ahead.py),
+        giving the event loop a turn after each, so a round that arrives waits at most for the
+        chunk or step in flight."""
+        while inbox.empty():
+            if self.worker.prefill_idle():
+                pass
+            elif self.worker.ahead_pending(stream):
+                t0 = time.perf_counter()
+                if self.worker.ahead_step(stream):
+                    metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
+            else:
+                break
             await asyncio.sleep(0)
         item = await inbox.get()
         if isinstance(item, BaseException):

@@ -77,6 +77,9 @@ class DraftWorker:
         prompt delays the other sequences' blocks by one chunk, not by the whole prompt."""
         self.drafter = drafter
         self.prefill_chunk = prefill_chunk
+        # Prompt tokens prefilled since start; a round's share tells the target that its time was
+        # not all drafting (DraftBlocks.prefilled_tokens).
+        self.prefilled_tokens = 0
         self.max_len = max_len
         self.support = support
         self.max_k = max_k
@@ -140,6 +143,16 @@ class DraftWorker:
         lane = self.lanes.get(stream)
         return lane is not None and lane.step()
 
+    def prefill_idle(self) -> bool:
+        """One chunk of the prompts still to prefill, between rounds; False when there was none.
+
+        Targets open sequences when they admit them (services/target/draft_client.py), so the
+        prompts are prefilled here while the target prefills and verifies, and a sequence's first
+        round finds it ready."""
+        n = self.drafter.prefill(self.prefill_chunk)
+        self.prefilled_tokens += n
+        return n > 0
+
     def open(self, stream: str, seq: OpenSeq) -> BlockError:
         """Start a sequence; BlockError.NONE on success."""
         k = self.key(stream, seq.seq_id)
@@ -174,7 +187,7 @@ class DraftWorker:
         lane.round_started(set(keys))
         # Sized like the target's passes: about this round's own work (one step per guess per row).
         decoding = sum(r.k for r, k in zip(reqs, keys) if k in self.states and self.drafter.ready(k))
-        self.drafter.prefill(chunk_budget(self.prefill_chunk, decoding))
+        self.prefilled_tokens += self.drafter.prefill(chunk_budget(self.prefill_chunk, decoding))
         for r, k in zip(reqs, keys):
             st = self.states.get(k)
             if st is None:

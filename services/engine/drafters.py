@@ -199,14 +199,15 @@ class ModelDrafter:
         return s.cache_len >= len(s.prompt)  # a proposal's catch-up may also have fed the prompt
 
     @torch.inference_mode()
-    def prefill(self, budget: int) -> None:
-        """One batched pass over the sequences still prefilling, up to ``budget`` tokens (first come first)."""
+    def prefill(self, budget: int) -> int:
+        """One batched pass over the sequences still prefilling, up to ``budget`` tokens (first come
+        first); returns the tokens prefilled (0: none waits, or none can get its blocks now)."""
         waiting = [s for s in self.seqs.values() if s.cache_len < len(s.prompt)]
         # A prompt takes its blocks when it starts, all at once: two half-prefilled prompts can
         # then never hold the pool between them.
         waiting = [s for s in waiting if s.cache_len > 0 or self.cache.reserve(s.slot, len(s.prompt) + 1)]
         if not waiting:
-            return
+            return 0
         take = plan_chunk([len(s.prompt) - s.cache_len for s in waiting], budget)
         rows = [(s, n) for s, n in zip(waiting, take) if n > 0]
         prefill_pass(
@@ -218,6 +219,7 @@ class ModelDrafter:
             s.cache_len += n
             if s.cache_len == len(s.prompt):
                 s.prompt = []
+        return sum(n for _, n in rows)
 
     def remove(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)

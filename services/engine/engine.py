@@ -402,6 +402,10 @@ class Engine:
         # Tokens the decode round after this pass verifies: the pass is sized to cost about as much.
         decoding = sum(self._block_size(s) + 1 for s in self.running.values() if s.decoding)
         budget = chunk_budget(self.config.prefill_chunk, decoding)
+        # The draft first: a remote one is sent the prompts admitted this step now, and prefills
+        # them while this target does.
+        if self.model_drafter is not None:
+            self.model_drafter.prefill(budget)
         if pending:
             take = plan_chunk([len(s.tokens) - 1 - s.cached for s in pending], budget)
             rows = [(s, n) for s, n in zip(pending, take) if n > 0]
@@ -413,8 +417,6 @@ class Engine:
             self.prefill_passes += 1
             for s, n in rows:
                 s.cached += n
-        if self.model_drafter is not None:
-            self.model_drafter.prefill(budget)
 
     def _take_blocks(self, seq: _Seq) -> bool:
         seq.has_blocks = self.cache.reserve(seq.slot, len(seq.tokens))

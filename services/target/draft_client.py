@@ -149,7 +149,8 @@ class _Stream:
                 self.connected.set()
                 self.states.up(self.address, self)
             for reply in self.call:
-                self.replies.put(reply)
+                if reply.round_id:  # round 0: a fire-and-forget open or release; nobody waits for it
+                    self.replies.put(reply)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 log.warning("draft stream to %s failed: %s", self.address, e.code())
@@ -291,6 +292,7 @@ class RemoteDrafter:
         self.on_round = on_round or (lambda report: None)
         self.blocks_by_source = dict.fromkeys(BLOCK_SOURCES, 0)  # since start, for tests and tools
         self.seqs: dict[str, _SeqState] = {}
+        self._unopened: list[tuple[str, list[int]]] = []  # (sequence, prompt) added since the last step
         self._round_ids = itertools.count(1)
 
     # ------------------------------------------------------------------ Drafter protocol
@@ -298,6 +300,7 @@ class RemoteDrafter:
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()))
         self.seqs[seq_id].endpoint.assigned += 1
+        self._unopened.append((seq_id, list(prompt_ids)))
 
     def prefill(self, budget: int) -> None:
         """Called every engine step, with or without work: each draft service prefills its own
@@ -308,6 +311,34 @@ class RemoteDrafter:
                 self._failed(ep, "its stream ended")
             ep.open_stream()
             ep.ask_info()
+        if self._unopened:
+            self._open_admitted()
+
+    def _open_admitted(self) -> None:
+        """Open the sequences admitted since the last step at their drafts now, fire and forget.
+
+        The draft prefills them between rounds (DraftWorker.prefill_idle), while this target
+        prefills and verifies, so a row's first ask finds it ready. Opened only when first asked,
+        a batch of new rows made the draft prefill them all inside that round (94 ms where a round
+        takes 15 at 16 rows), or answer them with nothing, which counts as a failed guess. A
+        sequence whose draft is not up now, or whose prompt fills the draft's context, is opened
+        at its first ask as before; an open the draft refuses is answered at that ask
+        (UNKNOWN_SEQUENCE, then re-opened with the full context)."""
+        rounds: dict[int, tuple[DraftEndpoint, draft_pb2.DraftRound]] = {}
+        for seq_id, prompt in self._unopened:
+            st = self.seqs.get(seq_id)
+            if st is None:
+                continue
+            ep = st.endpoint
+            if st.full or not ep.up or ep.stream is None or seq_id in ep.opened:
+                continue
+            if ep.max_context is not None and len(prompt) >= ep.max_context:
+                continue
+            _, msg = rounds.setdefault(id(ep), (ep, draft_pb2.DraftRound(round_id=0)))
+            self._open(ep, msg, seq_id, prompt)
+        self._unopened.clear()
+        for ep, msg in rounds.values():
+            ep.stream.send(msg)
 
     def ready(self, seq_id: str) -> bool:
         # A draft still prefilling answers with an empty block (no guesses that round) instead.
@@ -357,6 +388,7 @@ class RemoteDrafter:
                 self._failed(ep, "it did not answer")
                 continue
             ep.succeeded()
+            timed = timed and not reply.prefilled_tokens
             by_id = {rows[i].seq_id: i for i in idx}
             for b in reply.blocks:
                 i = by_id.get(b.sequence_id)
@@ -458,6 +490,14 @@ class RemoteDrafter:
         st.full = True
         self._release(st.endpoint, seq_id)
 
+    def _open(self, ep: DraftEndpoint, msg: draft_pb2.DraftRound, seq_id: str, tokens: Sequence[int]) -> None:
+        """Add the sequence's opening (its whole context so far) to ``msg``; the draft has then seen
+        ``tokens`` and no proposal of it is outstanding."""
+        st = self.seqs[seq_id]
+        msg.open.add(sequence_id=seq_id, token_ids=tokens, sampling=st.sampling)
+        ep.opened.add(seq_id)
+        st.known, st.num_accepted = len(tokens), 0
+
     def _round_msg(self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]]) -> draft_pb2.DraftRound:
         msg = draft_pb2.DraftRound(round_id=round_id, draft_ahead=self.cfg.draft_ahead)
         for r, k in asks:
@@ -473,9 +513,7 @@ class RemoteDrafter:
                 seed, st.next_seed = st.next_seed, draw_seed(st.seeds)
                 next_seed = st.next_seed
             if r.seq_id not in ep.opened:
-                msg.open.add(sequence_id=r.seq_id, token_ids=r.tokens, sampling=st.sampling)
-                ep.opened.add(r.seq_id)
-                st.known, st.num_accepted = len(r.tokens), 0
+                self._open(ep, msg, r.seq_id, r.tokens)
             msg.rows.add(
                 sequence_id=r.seq_id,
                 num_accepted=st.num_accepted,

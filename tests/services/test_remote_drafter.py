@@ -7,6 +7,7 @@ protocol, the per-round seeds, the rollback bookkeeping and the sparse q are all
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,18 +20,23 @@ from specd.services.engine.sampling import SamplingParams
 from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
 from tests.e2e.processes import free_port, spawn, stop_process, wait_grpc
 from tests.engine.test_sampling_distribution import N_SAMPLES, PROMPT, _chi2_pvalue, _exact_joint
-from tests.inprocess import GrpcThread, start_draft
+from tests.inprocess import GrpcThread, InProcessDraft, start_draft
 
 
 @pytest.fixture(scope="module")
-def micro_draft_service(micro_pair) -> Iterator[str]:
+def micro_draft(micro_pair) -> Iterator[InProcessDraft]:
     """The draft service (its servicer, over gRPC on loopback) on the micro draft, sending q
     truncated to 4 of the 12 tokens."""
     grpc_thread = GrpcThread()
     try:
-        yield start_draft(grpc_thread, micro_pair[1], support=4, max_sequences=64).address
+        yield start_draft(grpc_thread, micro_pair[1], support=4, max_sequences=64)
     finally:
         grpc_thread.close()
+
+
+@pytest.fixture(scope="module")
+def micro_draft_service(micro_draft: InProcessDraft) -> str:
+    return micro_draft.address
 
 
 @pytest.fixture(scope="module")
@@ -230,10 +236,37 @@ def test_remote_drafter_with_per_sequence_k_that_skips_rounds(micro_pair, micro_
         assert r.stats.target_forward_passes > 30 / 4  # rounds with k = 0 did happen
 
 
-def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(micro_pair, micro_draft_service) -> None:
-    """The round that opens a sequence on the draft service (it prefills the whole context) is not a
-    timing of guesses for method auto's cost model; the rounds after it are."""
-    engine = _remote_engine(micro_pair, micro_draft_service)
+@pytest.mark.parametrize("opened", ["when admitted, prefilled between rounds", "when admitted", "at the first ask"])
+def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(
+    micro_pair, micro_draft: InProcessDraft, opened: str, monkeypatch
+) -> None:
+    """A sequence is opened on the draft service when the target admits it, and the draft prefills
+    it between rounds: its first ask is then a timing of guesses like any other. Where the draft
+    had no time between rounds, or the sequence is opened at its first ask (its draft was not up at
+    admission, say), the draft prefills inside that round, says so (DraftBlocks.prefilled_tokens),
+    and the round is no timing of guesses for method auto's cost model; the rounds after it are."""
+    worker = micro_draft.servicer.worker
+    engine = _remote_engine(micro_pair, micro_draft.address)
+    drafter = engine.model_drafter
+    if opened == "at the first ask":
+        monkeypatch.setattr(drafter, "_open_admitted", lambda: drafter._unopened.clear())
+    elif opened == "when admitted":
+        monkeypatch.setattr(worker, "prefill_idle", lambda: False)  # the draft never idles
+    else:
+        open_admitted = drafter._open_admitted
+
+        def open_and_wait() -> None:  # the target asks only once the draft has prefilled
+            open_admitted()
+            deadline = time.monotonic() + 30
+            while not (worker.states and all(worker.drafter.ready(k) for k in worker.states)):
+                assert time.monotonic() < deadline, "the draft never prefilled the opened sequence"
+                time.sleep(0.01)
+
+        monkeypatch.setattr(drafter, "_open_admitted", open_and_wait)
+    opens: list[int] = []  # sequences each round to the draft opened
+    for ep in drafter.endpoints:
+        send = ep.stream.send
+        ep.stream.send = lambda msg, send=send: (opens.append(len(msg.open)), send(msg))[-1]
     seen: list[tuple[int, int]] = []
     observe = engine.controller.observe_costs
 
@@ -249,5 +282,9 @@ def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(micro_pair,
     finally:
         engine.close()
     assert res["a"].stats.proposed_tokens > 0
-    assert seen[0] == (0, 0), seen  # the round that opened the sequence on the draft
-    assert any(steps > 0 and rows == 1 for steps, rows in seen[1:]), seen
+    assert opens[0] == 1 and sum(opens) == 1, opens  # opened once: when admitted, or at the first ask
+    if opened == "when admitted, prefilled between rounds":
+        assert seen[0][0] > 0 and seen[0][1] == 1, seen  # the first ask is timed
+    else:
+        assert seen[0] == (0, 0), seen  # the round in which the draft prefilled the sequence
+        assert any(steps > 0 and rows == 1 for steps, rows in seen[1:]), seen
