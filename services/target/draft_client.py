@@ -61,6 +61,14 @@ def _unseen(row: draft_pb2.ProposeRow) -> int:
     return len(row.new_token_ids) - row.num_accepted
 
 
+# A target whose rows have not asked its drafts for this many engine steps (auto has turned
+# speculation off under load, say) stops opening sequences at admission: the draft would prefill
+# every prompt for nothing, on cores it may share with the target. On the real pair at 16 streams on
+# 2 shared cores, auto decoding almost without speculation ran at 18-19 tok/s with every prompt
+# opened at admission against 23 opened at the first ask, `none` 25-26. Such sequences are opened
+# at their first ask, as when their draft was down at admission.
+OPEN_AT_ADMISSION_WITHIN_STEPS = 8
+
 # Drafting ahead is off unless asked for (--draft-ahead on): it pays when the draft has cores of its
 # own (specd serve --pin-cores, separate machines); on shared cores its extra steps take the
 # target's cycles. README, "Drafting ahead", has the measurements this default rests on.
@@ -294,6 +302,7 @@ class RemoteDrafter:
         self.seqs: dict[str, _SeqState] = {}
         self._unopened: list[tuple[str, list[int]]] = []  # (sequence, prompt) added since the last step
         self._round_ids = itertools.count(1)
+        self._steps_since_ask = 0  # engine steps (prefill calls) since rows last asked for guesses
 
     # ------------------------------------------------------------------ Drafter protocol
 
@@ -311,8 +320,12 @@ class RemoteDrafter:
                 self._failed(ep, "its stream ended")
             ep.open_stream()
             ep.ask_info()
+        self._steps_since_ask += 1
         if self._unopened:
-            self._open_admitted()
+            if self._steps_since_ask <= OPEN_AT_ADMISSION_WITHIN_STEPS:
+                self._open_admitted()
+            else:
+                self._unopened.clear()  # opened at their first ask, if there is one
 
     def _open_admitted(self) -> None:
         """Open the sequences admitted since the last step at their drafts now, fire and forget.
@@ -368,6 +381,8 @@ class RemoteDrafter:
             k = self._askable(r, st)
             if k > 0:
                 by_ep.setdefault(id(st.endpoint), []).append((i, k))
+        if by_ep:
+            self._steps_since_ask = 0
         # Send every endpoint its round first, then collect: the drafts work in parallel.
         pending: list[tuple[DraftEndpoint, int, list[int]]] = []
         timed = True

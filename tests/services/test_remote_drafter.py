@@ -288,3 +288,38 @@ def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(
     else:
         assert seen[0] == (0, 0), seen  # the round in which the draft prefilled the sequence
         assert any(steps > 0 and rows == 1 for steps, rows in seen[1:]), seen
+
+
+def test_sequences_are_opened_at_admission_only_while_the_draft_is_asked(micro_draft_service) -> None:
+    """While rows ask for guesses, a sequence is opened on its draft when admitted; after
+    OPEN_AT_ADMISSION_WITHIN_STEPS steps without an ask (speculation off under load) it is not (the
+    draft would prefill it for nothing) and is opened, whole, at its first ask."""
+    from specd.services.engine.drafters import DraftRow
+    from specd.services.target.draft_client import OPEN_AT_ADMISSION_WITHIN_STEPS
+
+    drafter = RemoteDrafter(DraftClientConfig((micro_draft_service,), round_timeout=30.0), 12)
+    deadline = time.monotonic() + 30
+    while not drafter.endpoints[0].up:
+        assert time.monotonic() < deadline, "the draft stream never came up"
+        time.sleep(0.02)
+    opened: list[tuple[int, int]] = []  # per message to the draft: (sequences opened, rows asked)
+    ep = drafter.endpoints[0]
+    send = ep.stream.send
+    ep.stream.send = lambda msg: (opened.append((len(msg.open), len(msg.rows))), send(msg))[-1]
+    prompt = [3, 7, 5, 9, 1, 2]
+    try:
+        drafter.add("early", prompt)
+        drafter.prefill(16)
+        assert opened == [(1, 0)]  # admitted while the draft counts as asked: opened at once
+        drafter.propose([DraftRow("early", prompt, 2, True, None)], None)
+        assert opened[-1] == (0, 1)
+        for _ in range(OPEN_AT_ADMISSION_WITHIN_STEPS):
+            drafter.prefill(16)
+        drafter.add("late", prompt)
+        drafter.prefill(16)
+        assert opened[-1] == (0, 1), opened  # no round of opens: nobody has asked for a while
+        prop = drafter.propose([DraftRow("late", prompt, 2, True, None)], None)
+        assert opened[-1] == (1, 1)  # opened, with its whole context, by its first ask
+        assert prop.token_ids.shape == (1, 2) and not prop.timed  # the draft prefilled it in that round
+    finally:
+        drafter.close()
