@@ -65,8 +65,9 @@ def _unseen(row: draft_pb2.ProposeRow) -> int:
 # speculation off under load, say) stops opening sequences at admission: the draft would prefill
 # every prompt for nothing, on cores it may share with the target. On the real pair at 16 streams on
 # 2 shared cores, auto decoding almost without speculation ran at 18-19 tok/s with every prompt
-# opened at admission against 23 opened at the first ask, `none` 25-26. Such sequences are opened
-# at their first ask, as when their draft was down at admission.
+# opened at admission against 19-23 opened at the first ask, `none` 25-27 (one A/B of two passes
+# each; docs/benchmarks.md, "The real pair"). Such sequences are opened at their first ask, as
+# when their draft was down at admission.
 OPEN_AT_ADMISSION_WITHIN_STEPS = 8
 
 # Drafting ahead is off unless asked for (--draft-ahead on): it pays when the draft has cores of its
