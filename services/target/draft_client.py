@@ -3,7 +3,8 @@
 Each draft endpoint gets one long-lived bidirectional ``Draft`` stream carrying every sequence the
 target assigned to it, so the draft batches them. A round sends, per sequence, only what the draft
 has not seen: how many of its last guesses were accepted and the tokens committed since. Sequences
-are opened lazily (in the first round that wants guesses) and released in-band.
+are opened when admitted while rows ask the draft for guesses (so it prefills them between rounds),
+else in the first round that wants guesses, and released in-band.
 
 Streams are opened as soon as an endpoint is known and wait for a draft that is not up yet; a
 stream is *up* once the draft's headers arrive, and only up streams are asked for guesses, so a
