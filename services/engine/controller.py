@@ -31,6 +31,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,6 +58,16 @@ class CostModel:
     # its end). Kernels work on blocks of rows, so a verified token more costs a staircase, not a
     # line: on this CPU the bf16 kernel takes 3 rows per pass over the weights.
     by_tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # The same as a list, and a batch of one's verify cost by k without its context: a batch of one
+    # prices its options one by one every round, where indexing a list costs a fraction of an array.
+    _steps: list[float] | None = field(init=False, default=None, compare=False, repr=False)
+    _solo: list[float] = field(init=False, default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.by_tokens is not None:
+            object.__setattr__(self, "_steps", self.by_tokens.tolist())
+        solo = [self.verify(1, k) for k in range(MAX_SPECULATIVE_TOKENS + 1)]
+        object.__setattr__(self, "_solo", solo)
 
     def verify(self, rows: int, width: int, keys: int = 0) -> float:
         return (
@@ -68,12 +79,12 @@ class CostModel:
         )
 
     def extra(self, tokens: int) -> float:
-        t = self.by_tokens
-        return float(t[tokens]) if t is not None and tokens < len(t) else 0.0
+        t = self._steps
+        return t[tokens] if t is not None and tokens < len(t) else 0.0
 
     def extra_array(self, tokens: np.ndarray) -> np.ndarray | float:
         t = self.by_tokens
-        if t is None:
+        if t is None or len(t) == 0:
             return 0.0
         return np.where(tokens < len(t), t[np.minimum(tokens, len(t) - 1)], 0.0)
 
@@ -81,9 +92,10 @@ class CostModel:
         return 0.0 if steps == 0 or rows == 0 else self.d0 + steps * (self.d_step + self.d_step_row * rows)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The decision for one round: per row k and drafter (-1: none), and what it was expected to give."""
+class Choice(NamedTuple):
+    """The decision for one round: per row k and drafter (-1: none), and what it was expected to give.
+
+    Immutable like a frozen dataclass, and built at a fraction of its cost: one is made every round."""
 
     ks: np.ndarray  # [B] int
     drafters: np.ndarray  # [B] int: NGRAM, MODEL or -1
@@ -137,7 +149,8 @@ def choose_blocks(
     """
     B, _, kmax = acceptance.shape
     if B == 1 and (forced_k is None or forced_k[0] < 0):
-        return _choose_one(acceptance[0], int(match_len[0]), bool(model_ok[0]), int(cap[0]), cost, width_range, keys)
+        acc = np.clip(acceptance[0], 0.0, 1.0).tolist()
+        return _choose_one(acc, int(match_len[0]), bool(model_ok[0]), int(cap[0]), cost, width_range, keys)
     if forced_k is None:
         forced_k = np.full(B, -1)
     if forced_drafter is None:
@@ -221,35 +234,58 @@ def choose_blocks(
 
 
 def _choose_one(
-    acceptance: np.ndarray, match_len: int, model_ok: bool, cap: int, cost: CostModel, width_range, keys: int = 0
+    acceptance: Sequence[Sequence[float]],
+    match_len: int,
+    model_ok: bool,
+    cap: int,
+    cost: CostModel,
+    width_range: tuple[int, int] | None,
+    keys: int = 0,
 ) -> Choice:
     """:func:`choose_blocks` for a batch of one free row, in plain Python: at batch 1 a round is a
     few milliseconds, and some fifty small numpy calls would cost a noticeable share of it.
 
     Alone, a row's width is its own k, so the options are simply the n-gram's k = 0..match and the
     model's k = 1..cap, each priced in full. An exploration range keeps the options whose width lies
-    in it (where there are none, the widest below it)."""
-    kmax = acceptance.shape[-1]
+    in it (where there are none, the widest below it). ``acceptance`` is ``[2][kmax]`` (lists, in
+    [0, 1]; a drafter the row cannot use may hold fewer positions)."""
+    kmax = len(acceptance[MODEL])
     cap = min(max(cap, 0), kmax)
     lo, hi = width_range if width_range is not None else (0, kmax)
-    top = {NGRAM: min(match_len, cap, hi), MODEL: min(cap, hi) if model_ok else 0}
-    if lo > max(top.values()):  # nothing reaches the range: the widest below it
-        lo = max(top.values())
-    verify = [cost.verify(1, k, keys) for k in range(max(top.values()) + 1)]  # by k
-    best = (1.0 / verify[0], 1.0, 0, -1, verify[0]) if lo == 0 else None  # (ratio, tokens, k, drafter, cost)
-    # n-gram first, then the model, small k first: ties keep the earlier, cheaper option.
-    for d in (NGRAM, MODEL):
-        step = cost.d_step + cost.d_step_row if d == MODEL else 0.0
-        d0 = cost.d0 if d == MODEL else 0.0
+    top_ngram = min(match_len, cap, hi)
+    top_model = min(cap, hi) if model_ok else 0
+    widest = max(top_ngram, top_model)
+    lo = min(lo, widest)  # nothing reaches the range: the widest below it
+    context = cost.v_key * keys
+    solo = cost._solo
+    # (ratio, tokens, k, drafter, cost); n-gram first, then the model, small k first: ties keep the
+    # earlier, cheaper option.
+    best = (1.0 / (solo[0] + context), 1.0, 0, -1, solo[0] + context) if lo == 0 else None
+    for d, top, d0, step in (
+        (NGRAM, top_ngram, 0.0, 0.0),
+        (MODEL, top_model, cost.d0, cost.d_step + cost.d_step_row),
+    ):
         survive, tokens = 1.0, 1.0
-        for k, a in enumerate(acceptance[d, : top[d]].tolist(), start=1):
-            survive *= min(max(a, 0.0), 1.0)
+        for k in range(1, top + 1):
+            survive *= acceptance[d][k - 1]
             tokens += survive
-            c = verify[k] + d0 + step * k
+            c = solo[k] + context + d0 + step * k
             if k >= lo and (best is None or tokens / c > best[0] * (1 + 1e-9)):
                 best = (tokens / c, tokens, k, d, c)
     _, tokens, k, drafter, c = best
-    return Choice(np.array([k]), np.array([drafter]), k, k if drafter == MODEL else 0, tokens, c)
+    return Choice(_ONE_ROW_KS[k], _ONE_ROW_DRAFTERS[drafter], k, k if drafter == MODEL else 0, tokens, c)
+
+
+def _frozen(values: list[int]) -> np.ndarray:
+    a = np.array(values)
+    a.setflags(write=False)
+    return a
+
+
+# A batch of one's decision arrays, made once (read-only, shared): a fresh array per round costs
+# more than the rest of that round's choice.
+_ONE_ROW_KS = [_frozen([k]) for k in range(MAX_SPECULATIVE_TOKENS + 1)]
+_ONE_ROW_DRAFTERS = {d: _frozen([d]) for d in (-1, NGRAM, MODEL)}
 
 
 def _forced_choice(
@@ -347,31 +383,37 @@ class ControllerConfig:
 
 
 class DecayedCounts:
-    """Accept / test counts per drafter and position ``[..., 2, kmax]``, decayed lazily.
+    """Accept / test counts per drafter and position (``[drafter][position]``), decayed lazily.
 
-    The arrays hold the counts in units of ``unit``: decaying everything by ``f`` is ``unit /= f``
-    (one float, instead of two array operations a round), a new observation adds ``unit``, and the
-    counts themselves are ``accepted / unit`` and ``tested / unit``.
+    The lists hold the counts in units of ``unit``: decaying everything by ``f`` is ``unit /= f``
+    (one float), a new observation adds ``unit``, and the counts themselves are ``accepted / unit``
+    and ``tested / unit``. Plain lists, not arrays: they are read and written a few entries at a
+    time every round of every sequence, between forward passes that leave the caches cold, and
+    there a numpy call costs some microseconds where a list access costs a fraction of one.
     """
 
     __slots__ = ("accepted", "tested", "unit")
 
-    def __init__(self, *shape: int) -> None:
-        self.accepted = np.zeros(shape)
-        self.tested = np.zeros(shape)
+    def __init__(self, drafters: int, kmax: int) -> None:
+        self.accepted = [[0.0] * kmax for _ in range(drafters)]
+        self.tested = [[0.0] * kmax for _ in range(drafters)]
         self.unit = 1.0
 
     def decay(self, factor: float) -> None:
         self.unit /= factor
         if self.unit > 1e150:  # fold the unit back in long before it could overflow
-            self.accepted /= self.unit
-            self.tested /= self.unit
+            u = self.unit
+            self.accepted = [[x / u for x in row] for row in self.accepted]
+            self.tested = [[x / u for x in row] for row in self.tested]
             self.unit = 1.0
 
-    def record(self, index: tuple, proposed: int, num_accepted: int) -> None:
+    def record(self, drafter: int, proposed: int, num_accepted: int) -> None:
         """Guesses 1..num_accepted passed; guess num_accepted+1 (if made) failed; later ones untested."""
-        self.accepted[index][:num_accepted] += self.unit
-        self.tested[index][: min(num_accepted + 1, proposed)] += self.unit
+        u, acc, tested = self.unit, self.accepted[drafter], self.tested[drafter]
+        for j in range(num_accepted):
+            acc[j] += u
+        for j in range(min(num_accepted + 1, proposed)):
+            tested[j] += u
 
 
 class SeqAcceptance(DecayedCounts):
@@ -383,20 +425,33 @@ class SeqAcceptance(DecayedCounts):
         super().__init__(2, kmax)
 
 
-def _chained(accepted: np.ndarray, tested: np.ndarray, weight: float, first: float) -> np.ndarray:
-    """Conditional acceptance per position ``[..., kmax]`` from decayed counts: position 0 pulled
-    toward ``first``, every later one toward the estimate one position earlier.
+def _chained(accepted: list[float], tested: list[float], weight: float, first: float) -> list[float]:
+    """Conditional acceptance per position from one drafter's decayed counts: position 0 pulled
+    toward ``first``, every later one toward the estimate one position earlier,
+    ``est_j = (accepted_j + weight * est_{j-1}) / (tested_j + weight)``.
 
     Why chained: a position that has rarely been tested (the controller has kept blocks shorter)
     then inherits the rate just before it, which is what acceptance measured by position looks
     like (roughly flat), instead of a fixed prior that may sit far below it and would keep blocks
     short for ever."""
-    # est_j = a_j + b_j est_{j-1}, a linear recurrence: solved with one cumulative product,
-    # est_j = P_j (first + sum_{i<=j} a_i / P_i), P_j = prod_{l<=j} b_l (b >= w / (w + tested) > 0).
-    denom = tested + weight
-    b = weight / denom
-    P = np.cumprod(b, axis=-1)
-    return P * (first + np.cumsum(accepted / denom / P, axis=-1))
+    out, est = [], first
+    for a, t in zip(accepted, tested):
+        est = (a + weight * est) / (t + weight)
+        out.append(est)
+    return out
+
+
+def _pulled(
+    seq: DecayedCounts, prior: list[list[float]], weight: float, n: int, n_ngram: int | None = None
+) -> list[list[float]]:
+    """``[2][n]`` a sequence's conditional acceptance, each position pulled toward ``prior`` by
+    ``weight`` pseudo-observations (only the first ``n_ngram`` positions of the n-gram's, if given)."""
+    w = weight * seq.unit
+    lengths = (n if n_ngram is None else n_ngram, n)
+    return [
+        [(a + w * p) / (t + w) for a, t, p in zip(acc[:m], tested[:m], pr)]
+        for acc, tested, pr, m in zip(seq.accepted, seq.tested, prior, lengths)
+    ]
 
 
 class _ShapedFit:
@@ -408,51 +463,80 @@ class _ShapedFit:
     (collinear features) keeps the prior's proportions at the measured level, instead of sharing a
     slow stretch of the machine equally among the coefficients; variation in the width moves the
     per-token cost away from the prior as far as the data says.
+
+    Plain Python (sums in units of ``unit``, decayed lazily, and a small solve at each refit): one
+    observation a round is a few dozen multiplications, where the array version cost more in
+    numpy calls than a batch of one's whole choice.
     """
 
-    def __init__(self, shape: np.ndarray, prior_weight: float) -> None:
-        self.shape = shape
+    def __init__(self, shape: Sequence[float], prior_weight: float) -> None:
+        self.shape = [float(x) for x in shape]
         p = len(shape) + 1
-        self.ztz = np.zeros((p, p))
-        self.zty = np.zeros(p)
-        self.zsum = np.zeros(p)
-        self.weight = 0.0
+        self.ztz = [[0.0] * p for _ in range(p)]  # lower triangle used
+        self.zty = [0.0] * p
+        self.zsum = [0.0] * p
+        self.total = 0.0  # the observations' summed weight, in units
+        self.unit = 1.0
         self.prior_weight = prior_weight
-        self._coef: np.ndarray | None = None
 
     def decay(self, factor: float) -> None:
-        self.ztz *= factor
-        self.zty *= factor
-        self.zsum *= factor
-        self.weight *= factor
-        # The solution barely moves with a uniform decay; it is refreshed at the next add.
+        self.unit /= factor
+        if self.unit > 1e150:  # fold the unit back in long before it could overflow
+            u = self.unit
+            self.ztz = [[x / u for x in row] for row in self.ztz]
+            self.zty = [x / u for x in self.zty]
+            self.zsum = [x / u for x in self.zsum]
+            self.total /= u
+            self.unit = 1.0
 
-    def add(self, X: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
-        """Observations ``X [n, p]``, ``y [n]`` with weights ``w [n]`` (their decay since)."""
-        Z = np.empty((X.shape[0], X.shape[1] + 1))
-        Z[:, 0] = X @ self.shape
-        Z[:, 1:] = X
-        Zw = Z * w[:, None]
-        self.ztz += Z.T @ Zw
-        self.zty += Zw.T @ y
-        self.zsum += Zw.sum(axis=0)
-        self.weight += float(w.sum())
-        self._coef = None
+    def add(self, x: Sequence[float], y: float) -> None:
+        """One observation: features ``x`` and the seconds ``y`` they took."""
+        u = self.unit
+        z = [sum(s * v for s, v in zip(self.shape, x)), *x]
+        for i, zi in enumerate(z):
+            uz = u * zi
+            self.zsum[i] += uz
+            self.zty[i] += uz * y
+            row = self.ztz[i]
+            for j in range(i + 1):
+                row[j] += uz * z[j]
+        self.total += u
 
     @property
     def fitted(self) -> bool:
-        return self.weight > 1e-3
+        return self.total > 1e-3 * self.unit
 
     def coef(self) -> np.ndarray:
         """The cost per unit of each feature (never negative: a negative slope is noise)."""
-        if self._coef is None:
-            mean_sq = np.diag(self.ztz) / self.weight + 1e-12
-            var = np.maximum(mean_sq - (self.zsum / self.weight) ** 2, 0.0)
-            lam = self.prior_weight * (var + 1e-3 * mean_sq)
-            lam[0] = 1e-9 * mean_sq[0]  # the level is free
-            theta = np.linalg.solve(self.ztz + np.diag(lam), self.zty)
-            self._coef = np.maximum(theta[0] * self.shape + theta[1:], 0.0)
-        return self._coef
+        w, rounds = self.total, self.total / self.unit
+        p = len(self.zty)
+        a = [[self.ztz[max(i, j)][min(i, j)] / w for j in range(p)] for i in range(p)]
+        mean = [x / w for x in self.zsum]
+        for i in range(p):
+            mean_sq = a[i][i] + 1e-12
+            var = max(mean_sq - mean[i] ** 2, 0.0)
+            # The level is free; the deviations are pulled toward 0 by prior_weight rounds' worth
+            # (the system is divided through by the rounds' summed decayed weight).
+            a[i][i] += (1e-9 * mean_sq if i == 0 else self.prior_weight * (var + 1e-3 * mean_sq)) / rounds
+        theta = _solve(a, [x / w for x in self.zty])
+        return np.maximum(theta[0] * np.array(self.shape) + np.array(theta[1:]), 0.0)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``a x = b`` by Gaussian elimination with partial pivoting (a small, well-posed system)."""
+    n = len(b)
+    m = [row[:] + [bi] for row, bi in zip(a, b)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[pivot] = m[pivot], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            if f:
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    x = [0.0] * n
+    for c in range(n - 1, -1, -1):
+        x[c] = (m[c][n] - sum(m[c][j] * x[j] for j in range(c + 1, n))) / m[c][c]
+    return x
 
 
 # Prior shape of the cost model, in units of one fixed verify cost: a guess token or a row costs a
@@ -504,9 +588,9 @@ class SpeculationController:
     def __init__(self, config: ControllerConfig = ControllerConfig()) -> None:
         self.cfg = config
         k = config.kmax
-        # Engine-wide counts keyed by [greedy][drafter, position].
-        self.global_counts = DecayedCounts(2, 2, k)  # [greedy][drafter, position]
-        self._global_estimate: list[np.ndarray | None] = [None, None]  # per greedy, cached
+        # Engine-wide counts, one per greedy / sampled, each [drafter][position].
+        self.global_counts = (DecayedCounts(2, k), DecayedCounts(2, k))
+        self._global_estimate: list[list[list[float]] | None] = [None, None]  # per greedy, cached
         self._global_age = [0, 0]  # rounds since each was computed
         self.verify_fit = _ShapedFit(_VERIFY_SHAPE, config.cost_prior_weight)
         self.draft_fit = _ShapedFit(_DRAFT_SHAPE, config.cost_prior_weight)
@@ -514,17 +598,23 @@ class SpeculationController:
         self.stats = ControllerStats()
         self._cost: CostModel | None = None  # the fitted model, refitted every refit_every rounds
         self._cost_age = 0
+        self._stale = False  # refit at the next use (the first timings)
+        # Timings since the last refit, folded into the fits then: (rows, width, keys, verify
+        # seconds, model steps, model rows, draft seconds).
+        self._timings: list[tuple[int, int, int, float, int, int, float]] = []
+        self._folded = 0  # timings folded in so far
+        self._draft_timed = False  # whether any round has timed the draft model
         # Timings since the last refit, folded into the fits then: (round, features, seconds).
-        self._pending: dict[str, list[tuple[int, tuple[float, ...], float]]] = {"verify": [], "draft": []}
         self._timed_round = 0  # rounds timed so far
-        self._step_sum = np.zeros(config.step_tokens)  # decayed sums of deviations, by verified tokens
-        self._step_n = np.zeros(config.step_tokens)
-        self._flushed_round = 0
+        # Decayed sums of deviations from the line, by verified tokens (lists: see DecayedCounts).
+        self._step_sum = [0.0] * config.step_tokens
+        self._step_n = [0.0] * config.step_tokens
+        self._step_top = 0  # one past the most tokens a timed round has verified
 
     # ----------------------------------------------------------------------- estimates
 
-    def global_acceptance(self, greedy: bool) -> np.ndarray:
-        """[2, kmax] engine-wide conditional acceptance, pulled toward the prior (recomputed every
+    def global_acceptance(self, greedy: bool) -> list[list[float]]:
+        """[2][kmax] engine-wide conditional acceptance, pulled toward the prior (recomputed every
         ``global_refresh_every`` rounds: it has a memory of hundreds)."""
         g = int(greedy)
         cached = self._global_estimate[g]
@@ -533,35 +623,23 @@ class SpeculationController:
             self._global_age[g] = 0
         return cached
 
-    def _global_rate(self, g: int) -> np.ndarray:
-        c = self.global_counts
-        return _chained(c.accepted[g], c.tested[g], self.cfg.global_prior_weight * c.unit, self.cfg.prior_acceptance)
+    def _global_rate(self, g: int) -> list[list[float]]:
+        c = self.global_counts[g]
+        w = self.cfg.global_prior_weight * c.unit
+        return [_chained(a, t, w, self.cfg.prior_acceptance) for a, t in zip(c.accepted, c.tested)]
 
-    def seq_acceptance(self, seq: SeqAcceptance, prior: np.ndarray) -> np.ndarray:
+    def seq_acceptance(self, seq: SeqAcceptance, prior: list[list[float]]) -> np.ndarray:
         """[2, kmax] the sequence's conditional acceptance, pulled toward ``prior``."""
-        w = self.cfg.seq_prior_weight * seq.unit
-        return (seq.accepted + w * prior) / (seq.tested + w)
+        return np.array(_pulled(seq, prior, self.cfg.seq_prior_weight, len(seq.accepted[0])))
 
     def cost_model(self) -> CostModel:
         """The fitted round cost (refitted every ``refit_every`` rounds); before any timing the
         reference shape (only ratios matter)."""
-        if self._cost is None or self._cost_age >= self.cfg.refit_every:
-            self._flush_timings()
-            self._cost, self._cost_age = self._fit_cost(), 0
+        if self._cost is None or self._stale or self._cost_age >= self.cfg.refit_every:
+            if self._timings:
+                self._fold_timings()
+            self._cost, self._cost_age, self._stale = self._fit_cost(), 0, False
         return self._cost
-
-    def _flush_timings(self) -> None:
-        """Fold the pending timings into the fits, each decayed by the rounds since it was taken
-        (the same as decaying and adding round by round, in a few array operations)."""
-        now = self._timed_round
-        decay = self.cfg.cost_decay
-        for fit, pending in ((self.verify_fit, self._pending["verify"]), (self.draft_fit, self._pending["draft"])):
-            fit.decay(decay ** (now - self._flushed_round))
-            if pending:
-                age = now - np.array([r for r, _, _ in pending], dtype=float)
-                fit.add(np.array([x for _, x, _ in pending]), np.array([y for _, _, y in pending]), decay**age)
-                pending.clear()
-        self._flushed_round = now
 
     def _fit_cost(self) -> CostModel:
         if not self.verify_fit.fitted:
@@ -570,7 +648,10 @@ class SpeculationController:
         # Until the draft model has been timed, its steps are priced at the prior's share of the
         # verify cost at the measured level.
         d = self.draft_fit.coef() if self.draft_fit.fitted else _DRAFT_SHAPE * (v[0] / _VERIFY_SHAPE[0])
-        return _cost(v, d, self._step_sum / (self._step_n + self.cfg.step_prior_weight))
+        # The staircase up to the most tokens verified yet (0 past it, as for a count never seen).
+        top = self._step_top
+        steps = np.array(self._step_sum[:top]) / (np.array(self._step_n[:top]) + self.cfg.step_prior_weight)
+        return _cost(v, d, steps)
 
     # ------------------------------------------------------------------------- planning
 
@@ -586,7 +667,9 @@ class SpeculationController:
         if solo:
             w, a0 = self.cfg.seq_prior_weight, self.cfg.prior_acceptance
             seqs = [rows[i].seq for i in solo]
-            acc = np.stack([_chained(q.accepted, q.tested, w * q.unit, a0) for q in seqs])[:, :, :kmax]
+            acc = np.array(
+                [[_chained(a[:kmax], t[:kmax], w * q.unit, a0) for a, t in zip(q.accepted, q.tested)] for q in seqs]
+            )
             ks, drafters = choose_solo(
                 acc,
                 np.array([rows[i].match_len for i in solo], dtype=int),
@@ -596,7 +679,8 @@ class SpeculationController:
             )
             forced_k[solo], forced_d[solo] = ks, drafters
         priors = {g: self.global_acceptance(g) for g in {r.greedy for r in rows}}
-        acc = np.stack([self.seq_acceptance(r.seq, priors[r.greedy])[:, :kmax] for r in rows])
+        w = self.cfg.seq_prior_weight
+        acc = np.array([_pulled(r.seq, priors[r.greedy], w, kmax) for r in rows])
         args = (
             acc,
             np.array([r.match_len for r in rows], dtype=int),
@@ -623,7 +707,9 @@ class SpeculationController:
 
     def _plan_one(self, row: RowPlan, kmax: int) -> Choice:
         """:meth:`plan` for a batch of one free row, without the batch's arrays (see _choose_one)."""
-        acc = self.seq_acceptance(row.seq, self.global_acceptance(row.greedy))[:, :kmax]
+        # The n-gram's estimates only as far as its match reaches (_choose_one looks no further).
+        prior = self.global_acceptance(row.greedy)
+        acc = _pulled(row.seq, prior, self.cfg.seq_prior_weight, kmax, min(row.match_len, kmax))
         cost = self.cost_model()
         choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, None, row.context)
         explore = self._exploration_range(choice, row.match_len > 0 or row.model_ok, kmax)
@@ -674,15 +760,17 @@ class SpeculationController:
         Every row's own counts decay each of its rounds (so a drafter it stopped using drifts back to
         the engine-wide rate and gets tried again); the engine-wide counts decay per round.
         """
-        self.global_counts.decay(self.cfg.global_decay)
+        for counts in self.global_counts:
+            counts.decay(self.cfg.global_decay)
         self._global_age[0] += 1
         self._global_age[1] += 1
+        seq_decay = self.cfg.seq_decay
         for seq, greedy, drafter, proposed, accepted in rows:
-            seq.decay(self.cfg.seq_decay)
+            seq.decay(seq_decay)
             if drafter < 0 or proposed <= 0:
                 continue
-            seq.record((drafter,), proposed, accepted)
-            self.global_counts.record((int(greedy), drafter), proposed, accepted)
+            seq.record(drafter, proposed, accepted)
+            self.global_counts[int(greedy)].record(drafter, proposed, accepted)
 
     def observe_costs(
         self,
@@ -697,24 +785,43 @@ class SpeculationController:
         """One round's timings: verification of ``rows`` x ``width + 1`` tokens over ``keys`` tokens
         of context (and the emit that follows), and ``model_steps`` draft-model steps for
         ``model_rows`` rows (0 if unused)."""
-        cfg = self.cfg
-        c = self.cost_model()
-        timed_verify, timed_draft = self._timed_round > 0, self.draft_fit.fitted or bool(self._pending["draft"])
+        self.cost_model()  # refits first if due: every timing waiting to be folded in is priced by one model
+        first_verify = self._timed_round == 0
+        drafted = model_steps > 0 and model_rows > 0
+        first_draft = drafted and not self._draft_timed
         self._timed_round += 1
-        # A round far slower than predicted (another process took the core) is clipped, not trusted.
-        limit = cfg.outlier_factor * c.verify(rows, width, keys) if timed_verify else np.inf
-        y = min(verify_seconds, limit)
-        self._pending["verify"].append((self._timed_round, (1.0, rows, rows * (width + 1.0), float(keys)), y))
-        tokens = rows * (width + 1)
-        if timed_verify and tokens < cfg.step_tokens:
-            deviation = y - (c.verify(rows, width, keys) - c.extra(tokens))  # from the line
-            self._step_sum[tokens] = self._step_sum[tokens] * cfg.step_decay + deviation
-            self._step_n[tokens] = self._step_n[tokens] * cfg.step_decay + 1.0
-        if model_steps > 0 and model_rows > 0:
-            # The first timing (a draft service's time-out, say) is checked against the prior.
-            limit = (1 if timed_draft else 2) * cfg.outlier_factor * c.draft(model_steps, model_rows)
-            x = (1.0, model_steps, model_steps * float(model_rows))
-            self._pending["draft"].append((self._timed_round, x, min(draft_seconds, limit)))
+        self._draft_timed = self._draft_timed or drafted
+        self._timings.append(
+            (rows, width, keys, verify_seconds, model_steps if drafted else 0, model_rows, draft_seconds)
+        )
         self._cost_age += 1
-        if not timed_verify or (not timed_draft and self._pending["draft"]):
-            self._cost = None  # the first timings replace the prior at once
+        if first_verify or first_draft:
+            self._stale = True  # the first timings replace the prior at once
+
+    def _fold_timings(self) -> None:
+        """Fold the timings taken since the last refit into the fits, in order, each checked against
+        the cost model they were taken under (one tight loop every ``refit_every`` rounds: between
+        forward passes the caches are cold, and a pass over this code every round costs several
+        times what it costs here)."""
+        cfg, c = self.cfg, self._cost
+        for rows, width, keys, verify_seconds, model_steps, model_rows, draft_seconds in self._timings:
+            timed_verify = self._folded > 0
+            self._folded += 1
+            # A round far slower than predicted (another process took the core) is clipped, not trusted.
+            limit = cfg.outlier_factor * c.verify(rows, width, keys) if timed_verify else float("inf")
+            y = min(verify_seconds, limit)
+            self.verify_fit.decay(cfg.cost_decay)
+            self.draft_fit.decay(cfg.cost_decay)
+            self.verify_fit.add((1.0, rows, rows * (width + 1.0), float(keys)), y)
+            tokens = rows * (width + 1)
+            if timed_verify and tokens < cfg.step_tokens:
+                deviation = y - (c.verify(rows, width, keys) - c.extra(tokens))  # from the line
+                self._step_sum[tokens] = self._step_sum[tokens] * cfg.step_decay + deviation
+                self._step_n[tokens] = self._step_n[tokens] * cfg.step_decay + 1.0
+                self._step_top = max(self._step_top, tokens + 1)
+            if model_steps > 0:
+                # The first timing (a draft service's time-out, say) is checked against the prior.
+                limit = (1 if self.draft_fit.fitted else 2) * cfg.outlier_factor * c.draft(model_steps, model_rows)
+                x = (1.0, model_steps, model_steps * float(model_rows))
+                self.draft_fit.add(x, min(draft_seconds, limit))
+        self._timings.clear()
