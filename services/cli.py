@@ -214,6 +214,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 out_dir=args.out,
             )
         )
+    if args.paired:
+        from specd.benchmarks.paired_bench import PairedBenchConfig, run_paired_bench
+
+        run_paired_bench(
+            PairedBenchConfig(
+                target=args.target,
+                draft=args.draft,
+                dtype=args.dtype,
+                ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (2, 3, 4),
+                max_tokens=args.max_tokens,
+                temperature=float(args.temperatures or 0.0),
+                workload=args.workloads,
+                rounds=args.repeats or 8,
+                out_dir=args.out,
+            )
+        )
+        return 0
     if args.pair and args.pair != "demo" and not args.serve:
         from specd.benchmarks.pair_bench import PairBenchConfig, run_pair_bench
         from specd.services.model_store.fetch import gguf_path
@@ -654,6 +671,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-size", type=int, default=None, help="--serve: the target's (default: the largest concurrency)"
     )
     b.add_argument("--no-auto", action="store_true", help="--serve: skip the auto method")
+    b.add_argument(
+        "--paired",
+        action="store_true",
+        help="auto against each fixed k (--k, default 2,3,4) request by request at batch 1, in-process: "
+        "median paired speed ratios with 95%% intervals and an A/A control (--repeats rounds, default 8; "
+        "--workloads code or prose; one --temperatures value)",
+    )
     b.add_argument(
         "--draft-ahead",
         default="off",
