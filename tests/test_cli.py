@@ -71,6 +71,35 @@ def test_bench_quick_writes_json_and_png(tiny_pair, tmp_path) -> None:
     assert (tmp_path / "engine_bench.png").stat().st_size > 10_000
 
 
+def test_bench_paired_compares_auto_with_each_fixed_k_request_by_request(tiny_pair, tmp_path) -> None:
+    """``bench --paired``: every prompt runs in every mode each round, and auto is compared with each
+    fixed k on those pairs (and the first fixed k with itself, the A/A control)."""
+    target, draft = tiny_pair
+    res = _specd(
+        "bench", "--paired", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
+        "--k", "1,2", "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "paired_bench.json").read_text())
+    assert [(r["a"], r["b"]) for r in doc["auto_vs_fixed"]] == [("auto k<=6", "draft k=1"), ("auto k<=6", "draft k=2")]
+    assert (doc["control"]["a"], doc["control"]["b"]) == ("draft k=1 again", "draft k=1")
+    assert doc["best_fixed"] in ("draft k=1", "draft k=2") and doc["auto_vs_best"]["b"] == doc["best_fixed"]
+    for r in [*doc["auto_vs_fixed"], doc["control"]]:
+        assert r["n"] == 6 and 0 < r["low"] <= r["median"] <= r["high"]  # 6 code prompts x 1 round
+        assert r["verdict"] in ("faster", "as fast", "slower")
+    assert all(len(v) == 6 and min(v) > 0 for v in doc["per_request_speed"].values())
+    assert "auto against the best fixed k" in res.stdout
+
+
+def test_paired_interval_and_verdict() -> None:
+    from specd.benchmarks.paired_bench import paired_interval, verdict
+
+    assert paired_interval([1.1] * 20, 500, 0) == (1.1, 1.1, 1.1)
+    med, low, high = paired_interval([0.9, 1.0, 1.1, 1.2, 0.95, 1.05, 1.0, 0.98], 2000, 0)
+    assert low <= med <= high and low < 1.0 < high
+    assert (verdict(1.01, 1.2), verdict(0.9, 1.0), verdict(0.8, 0.99)) == ("faster", "as fast", "slower")
+
+
 def test_serve_bench_reports_the_median_pass_so_one_disturbed_pass_moves_it_little() -> None:
     from specd.benchmarks.serve_bench import LoadResult, _merge
 
