@@ -604,7 +604,6 @@ class SpeculationController:
         self._timings: list[tuple[int, int, int, float, int, int, float]] = []
         self._folded = 0  # timings folded in so far
         self._draft_timed = False  # whether any round has timed the draft model
-        # Timings since the last refit, folded into the fits then: (round, features, seconds).
         self._timed_round = 0  # rounds timed so far
         # Decayed sums of deviations from the line, by verified tokens (lists: see DecayedCounts).
         self._step_sum = [0.0] * config.step_tokens
