@@ -93,19 +93,56 @@ def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
     return out
 
 
+class NGramIndex:
+    """Where each n-gram (``min_n <= n <= max_n``) of one growing token sequence last occurred.
+
+    Brought up to date with the tokens appended since the last lookup, so a round's lookup costs
+    O(max_n) whatever the context's length (a scan of the context costs O(length) every round).
+    Contract: the sequence only grows by appending (an engine's committed tokens do).
+    """
+
+    __slots__ = ("min_n", "max_n", "length", "after")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.length = 0  # tokens seen; the n-grams ending before the last of them are indexed
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> the position right after its latest occurrence
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        L = len(tokens)
+        if L < self.length:  # not the sequence this index was built on: start again
+            self.length, self.after = 0, {}
+        after = self.after
+        # Occurrences end before the suffix's own end: index the n-grams ending at L - 2 at most.
+        for end in range(max(self.length - 1, 0), L - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                after[tuple(tokens[end - n + 1 : end + 1])] = end + 1
+        self.length = L
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            start = after.get(tuple(tokens[L - n :]))
+            if start is not None:
+                return list(tokens[start : start + k])
+        return []
+
+
 class NGramDrafter:
-    """Prompt-lookup decoding: match the last n tokens (n from ``max_n`` down to ``min_n``)."""
+    """Prompt-lookup decoding: match the last n tokens (n from ``max_n`` down to ``min_n``).
+
+    Lookups for a known sequence (``seq_id``) use an :class:`NGramIndex` kept per sequence until
+    :meth:`remove`; without one, a scan of the context (the same answer)."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError("need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
+        self._indexes: dict[str, NGramIndex] = {}
 
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        pass  # stateless: the context travels in each DraftRow
+        pass  # the context travels in each DraftRow; an index is made at the first lookup
 
     def remove(self, seq_id: str) -> None:
-        pass
+        self._indexes.pop(seq_id, None)
 
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         pass
@@ -119,12 +156,19 @@ class NGramDrafter:
     def close(self) -> None:
         pass
 
-    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
-        """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    def lookup(self, tokens: Sequence[int], k: int, seq_id: str | None = None) -> list[int]:
+        """The up-to-k tokens that followed the latest earlier occurrence of the longest matching
+        suffix (of at least ``min_n`` tokens); with ``seq_id``, from that sequence's index."""
+        if seq_id is not None:
+            index = self._indexes.get(seq_id)
+            if index is None:
+                index = self._indexes[seq_id] = NGramIndex(self.min_n, self.max_n)
+            return index.lookup(tokens, k)
+        return self._scan(tokens, k)
+
+    def _scan(self, tokens: Sequence[int], k: int) -> list[int]:
         # A plain scan from the latest earlier occurrence of the last token backwards, keeping the
-        # first (so latest) place of each longer match. Plain Python on purpose: this runs every
-        # round of every n-gram and auto row, and per call it is a few comparisons per occurrence
-        # of the last token where an array conversion of the context costs more than the search.
+        # first (so latest) place of each longer match.
         L = len(tokens)
         top = min(self.max_n, L - 1)
         last = tokens[-1]
@@ -144,7 +188,7 @@ class NGramDrafter:
         return list(tokens[best_start : best_start + k])
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None = None) -> Proposal:
-        guesses = [self.lookup(r.tokens, r.k) if r.k > 0 else [] for r in rows]
+        guesses = [self.lookup(r.tokens, r.k, r.seq_id) if r.k > 0 else [] for r in rows]
         # Only as wide as the longest match: no match anywhere means a plain one-token target step.
         width = max((len(g) for g in guesses), default=0)
         return Proposal(_pad(guesses, width), None)

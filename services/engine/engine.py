@@ -468,7 +468,7 @@ class Engine:
             p = seq.req.params
             if routes[i] == "auto":
                 if k > 0:
-                    match = lookup.lookup(seq.tokens, k)  # as "ngram" does
+                    match = lookup.lookup(seq.tokens, k, seq.req.request_id)  # as "ngram" does
                     if match:
                         matches[i] = match
                 # A seeded sampled request is planned from its own history alone, so it repeats
@@ -700,6 +700,7 @@ class Engine:
     def _release(self, seq: _Seq) -> None:
         self.running.pop(seq.req.request_id, None)
         self.cache.release(seq.slot)
+        self.ngram.remove(seq.req.request_id)
         if self._may_use_model(seq.req):
             self.model_drafter.remove(seq.req.request_id)
 

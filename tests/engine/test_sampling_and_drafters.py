@@ -140,3 +140,42 @@ def test_ngram_lookup_matches_its_definition(seed: int) -> None:
         k = int(rng.integers(1, 6))
         got = NGramDrafter(min_n=min_n, max_n=max_n).lookup(tokens, k)
         assert got == _lookup_by_definition(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ngram_index_answers_as_the_definition_while_the_sequence_grows(seed: int) -> None:
+    """A sequence's index, brought up to date at each lookup (one to several tokens appended in
+    between, as rounds emit), answers every lookup as the definition does; ``remove`` drops it."""
+    rng = np.random.default_rng(100 + seed)
+    min_n, max_n = sorted(int(x) for x in rng.integers(1, 5, 2))
+    drafter = NGramDrafter(min_n=min_n, max_n=max_n)
+    tokens = rng.integers(0, 4, int(rng.integers(1, 6))).tolist()
+    for _ in range(60):
+        k = int(rng.integers(1, 6))
+        got = drafter.lookup(tokens, k, "s")
+        assert got == _lookup_by_definition(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+        tokens.extend(rng.integers(0, 4, int(rng.integers(1, 4))).tolist())
+    assert "s" in drafter._indexes
+    drafter.remove("s")
+    assert "s" not in drafter._indexes
+    # A shorter sequence under a known id is not the one indexed: the index starts again.
+    drafter.lookup(tokens, 3, "t")
+    short = tokens[: len(tokens) // 2]
+    assert drafter.lookup(short, 3, "t") == _lookup_by_definition(short, 3, min_n, max_n)
+
+
+def test_engine_drops_a_finished_sequence_s_ngram_index(tiny_pair) -> None:
+    from specd.services.engine.builder import ModelSpec, build_engine
+    from specd.services.engine.engine import EngineConfig, Request, SpecConfig
+    from specd.services.engine.sampling import SamplingParams
+
+    target, draft = tiny_pair
+    eng = build_engine(
+        ModelSpec(target=str(target), draft=str(draft), target_dtype="float32", draft_dtype="float32"),
+        EngineConfig(max_batch_size=2, max_model_len=256, warm_up=False),
+    )
+    ids = eng.tokenizer.encode("def f(x):\n    return x\ndef f(x):\n    return")
+    for method in ("ngram", "auto"):
+        req = Request(f"r-{method}", ids, SamplingParams(max_tokens=12), SpecConfig(method, 3))
+        assert len(eng.generate([req])[req.request_id].token_ids) == 12
+    assert eng.ngram._indexes == {}
