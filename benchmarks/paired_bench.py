@@ -54,6 +54,14 @@ class PairedBenchConfig:
     seed: int = 0
     bootstrap: int = 2000
 
+    def __post_init__(self) -> None:
+        if self.workload not in ("code", "prose"):
+            raise ValueError(f"--paired: --workloads code or prose, not {self.workload!r}")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"--paired: fixed k must be 1 or more, got {self.ks}")
+        if self.rounds < 1:
+            raise ValueError("--paired: --repeats must be 1 or more")
+
 
 @dataclass(frozen=True)
 class Mode:

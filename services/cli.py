@@ -224,7 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 ks=tuple(int(k) for k in args.k.split(",")) if args.k_given else (2, 3, 4),
                 max_tokens=args.max_tokens,
-                temperature=float(args.temperatures or 0.0),
+                temperature=_one_temperature(args.temperatures),
                 workload=args.workloads,
                 rounds=args.repeats or 8,
                 out_dir=args.out,
@@ -280,6 +280,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     run_engine_bench(cfg)
     return 0
+
+
+def _one_temperature(value: str | None) -> float:
+    """``--paired`` compares at one temperature (default 0, greedy)."""
+    try:
+        return float(value or 0.0)
+    except ValueError:
+        raise ValueError(f"--paired: one --temperatures value, got {value!r}") from None
 
 
 def _on_off_list(flag: str, value: str) -> tuple[bool, ...]:

@@ -152,3 +152,19 @@ def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> Non
         assert v["auto_vs_best_per_pass"] == [v["auto_vs_best"]] and v["auto_vs_none_per_pass"] == [v["auto_vs_none"]]
     assert "| code | 0 | 1 | draft k=3 |" in res.stdout and "auto / best" in res.stdout
     assert (tmp_path / "serve_bench.png").stat().st_size > 10_000
+
+
+def test_bench_paired_refuses_what_it_cannot_compare() -> None:
+    """One workload of the prompt sets, one temperature, k of at least 1: else a clear error."""
+    import pytest
+
+    from specd.benchmarks.paired_bench import PairedBenchConfig
+    from specd.services.cli import _one_temperature
+
+    with pytest.raises(ValueError, match="code or prose"):
+        PairedBenchConfig("t", "d", workload="both")
+    with pytest.raises(ValueError, match="1 or more"):
+        PairedBenchConfig("t", "d", ks=(0, 2))
+    with pytest.raises(ValueError, match="one --temperatures value"):
+        _one_temperature("0,0.8")
+    assert _one_temperature(None) == 0.0 and _one_temperature("0.8") == 0.8
