@@ -130,7 +130,7 @@ class NGramDrafter:
     """Prompt-lookup decoding: match the last n tokens (n from ``max_n`` down to ``min_n``).
 
     Lookups for a known sequence (``seq_id``) use an :class:`NGramIndex` kept per sequence until
-    :meth:`remove`; without one, a scan of the context (the same answer)."""
+    :meth:`remove`."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -158,34 +158,14 @@ class NGramDrafter:
 
     def lookup(self, tokens: Sequence[int], k: int, seq_id: str | None = None) -> list[int]:
         """The up-to-k tokens that followed the latest earlier occurrence of the longest matching
-        suffix (of at least ``min_n`` tokens); with ``seq_id``, from that sequence's index."""
-        if seq_id is not None:
-            index = self._indexes.get(seq_id)
-            if index is None:
-                index = self._indexes[seq_id] = NGramIndex(self.min_n, self.max_n)
-            return index.lookup(tokens, k)
-        return self._scan(tokens, k)
-
-    def _scan(self, tokens: Sequence[int], k: int) -> list[int]:
-        # A plain scan from the latest earlier occurrence of the last token backwards, keeping the
-        # first (so latest) place of each longer match.
-        L = len(tokens)
-        top = min(self.max_n, L - 1)
-        last = tokens[-1]
-        best_n, best_start = 0, 0
-        for i in range(L - 2, -1, -1):
-            if tokens[i] != last:
-                continue
-            n = 1
-            while n < top and n <= i and tokens[i - n] == tokens[L - 1 - n]:
-                n += 1
-            if n > best_n:
-                best_n, best_start = n, i + 1
-                if n == top:
-                    break
-        if best_n < self.min_n:
-            return []
-        return list(tokens[best_start : best_start + k])
+        suffix (of at least ``min_n`` tokens); with ``seq_id``, from that sequence's index (without,
+        from an index made for this call)."""
+        if seq_id is None:
+            return NGramIndex(self.min_n, self.max_n).lookup(tokens, k)
+        index = self._indexes.get(seq_id)
+        if index is None:
+            index = self._indexes[seq_id] = NGramIndex(self.min_n, self.max_n)
+        return index.lookup(tokens, k)
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None = None) -> Proposal:
         guesses = [self.lookup(r.tokens, r.k, r.seq_id) if r.k > 0 else [] for r in rows]
