@@ -602,7 +602,6 @@ class SpeculationController:
         # Timings since the last refit, folded into the fits then: (rows, width, keys, verify
         # seconds, model steps, model rows, draft seconds).
         self._timings: list[tuple[int, int, int, float, int, int, float]] = []
-        self._folded = 0  # timings folded in so far
         self._draft_timed = False  # whether any round has timed the draft model
         self._timed_round = 0  # rounds timed so far
         # Decayed sums of deviations from the line, by verified tokens (lists: see DecayedCounts).
@@ -803,9 +802,11 @@ class SpeculationController:
         forward passes the caches are cold, and a pass over this code every round costs several
         times what it costs here)."""
         cfg, c = self.cfg, self._cost
-        for rows, width, keys, verify_seconds, model_steps, model_rows, draft_seconds in self._timings:
-            timed_verify = self._folded > 0
-            self._folded += 1
+        first = self._timed_round - len(self._timings)  # rounds timed before these
+        for i, (rows, width, keys, verify_seconds, model_steps, model_rows, draft_seconds) in enumerate(
+            self._timings, start=first
+        ):
+            timed_verify = i > 0
             # A round far slower than predicted (another process took the core) is clipped, not trusted.
             limit = cfg.outlier_factor * c.verify(rows, width, keys) if timed_verify else float("inf")
             y = min(verify_seconds, limit)
