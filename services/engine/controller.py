@@ -29,7 +29,7 @@ lossless for any block size, including 0).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -57,15 +57,17 @@ class CostModel:
     # Measured deviation from the line, seconds, by the round's verified tokens B * (W + 1) (0 past
     # its end). Kernels work on blocks of rows, so a verified token more costs a staircase, not a
     # line: on this CPU the bf16 kernel takes 3 rows per pass over the weights.
-    by_tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
-    # The same as a list, and a batch of one's verify cost by k without its context: a batch of one
-    # prices its options one by one every round, where indexing a list costs a fraction of an array.
+    # A list, not an array: a batch of one prices its options one by one every round, where
+    # indexing a list costs a fraction of an array (the batched path makes the array once, lazily).
+    by_tokens: Sequence[float] | None = field(default=None, compare=False, repr=False)
     _steps: list[float] | None = field(init=False, default=None, compare=False, repr=False)
+    _steps_array: np.ndarray | None = field(init=False, default=None, compare=False, repr=False)
+    # A batch of one's verify cost by k without its context.
     _solo: list[float] = field(init=False, default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.by_tokens is not None:
-            object.__setattr__(self, "_steps", self.by_tokens.tolist())
+            object.__setattr__(self, "_steps", [float(x) for x in self.by_tokens])
         solo = [self.verify(1, k) for k in range(MAX_SPECULATIVE_TOKENS + 1)]
         object.__setattr__(self, "_solo", solo)
 
@@ -83,9 +85,12 @@ class CostModel:
         return t[tokens] if t is not None and tokens < len(t) else 0.0
 
     def extra_array(self, tokens: np.ndarray) -> np.ndarray | float:
-        t = self.by_tokens
-        if t is None or len(t) == 0:
+        if not self._steps:
             return 0.0
+        t = self._steps_array
+        if t is None:
+            t = np.array(self._steps)
+            object.__setattr__(self, "_steps_array", t)
         return np.where(tokens < len(t), t[np.minimum(tokens, len(t) - 1)], 0.0)
 
     def draft(self, steps: int, rows: int) -> float:
@@ -506,7 +511,7 @@ class _ShapedFit:
     def fitted(self) -> bool:
         return self.total > 1e-3 * self.unit
 
-    def coef(self) -> np.ndarray:
+    def coef(self) -> list[float]:
         """The cost per unit of each feature (never negative: a negative slope is noise)."""
         w, rounds = self.total, self.total / self.unit
         p = len(self.zty)
@@ -519,7 +524,7 @@ class _ShapedFit:
             # (the system is divided through by the rounds' summed decayed weight).
             a[i][i] += (1e-9 * mean_sq if i == 0 else self.prior_weight * (var + 1e-3 * mean_sq)) / rounds
         theta = _solve(a, [x / w for x in self.zty])
-        return np.maximum(theta[0] * np.array(self.shape) + np.array(theta[1:]), 0.0)
+        return [max(theta[0] * s + t, 0.0) for s, t in zip(self.shape, theta[1:])]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -543,11 +548,11 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 # tenth of it, a cached token of context attended to 0.03% (between the demo target's 0.1% and
 # the real pair's 0.003%), a draft step 12% (the demo pair on a CPU core is near this; the real
 # pair's draft is dearer, and a GPU's verify at small batch cheaper per token, which the fit learns).
-_VERIFY_SHAPE = np.array([1.0, 0.1, 0.1, 3e-4])  # v0, v_row, v_token, v_key
-_DRAFT_SHAPE = np.array([0.02, 0.12, 0.03])  # d0, d_step, d_step_row
+_VERIFY_SHAPE = (1.0, 0.1, 0.1, 3e-4)  # v0, v_row, v_token, v_key
+_DRAFT_SHAPE = (0.02, 0.12, 0.03)  # d0, d_step, d_step_row
 
 
-def _cost(verify: np.ndarray, draft: np.ndarray, by_tokens: np.ndarray | None = None) -> CostModel:
+def _cost(verify: Sequence[float], draft: Sequence[float], by_tokens: Sequence[float] | None = None) -> CostModel:
     v0, v_row, v_token, v_key = (float(x) for x in verify)
     d0, d_step, d_step_row = (float(x) for x in draft)
     return CostModel(v0, v_row, v_token, d0, d_step, d_step_row, v_key, by_tokens)
@@ -555,7 +560,7 @@ def _cost(verify: np.ndarray, draft: np.ndarray, by_tokens: np.ndarray | None = 
 
 # The cost model seeded requests are planned with: fixed, so their k never depends on timings. It
 # prices no context: a seeded row's plan must not depend on what shares its batch.
-REFERENCE_COST = _cost(_VERIFY_SHAPE * [1, 1, 1, 0], _DRAFT_SHAPE)
+REFERENCE_COST = _cost((*_VERIFY_SHAPE[:3], 0.0), _DRAFT_SHAPE)
 
 
 @dataclass
@@ -645,10 +650,11 @@ class SpeculationController:
         v = self.verify_fit.coef()
         # Until the draft model has been timed, its steps are priced at the prior's share of the
         # verify cost at the measured level.
-        d = self.draft_fit.coef() if self.draft_fit.fitted else _DRAFT_SHAPE * (v[0] / _VERIFY_SHAPE[0])
+        level = v[0] / _VERIFY_SHAPE[0]
+        d = self.draft_fit.coef() if self.draft_fit.fitted else [x * level for x in _DRAFT_SHAPE]
         # The staircase up to the most tokens verified yet (0 past it, as for a count never seen).
-        top = self._step_top
-        steps = np.array(self._step_sum[:top]) / (np.array(self._step_n[:top]) + self.cfg.step_prior_weight)
+        top, w = self._step_top, self.cfg.step_prior_weight
+        steps = [s / (n + w) for s, n in zip(self._step_sum[:top], self._step_n[:top])]
         return _cost(v, d, steps)
 
     # ------------------------------------------------------------------------- planning
@@ -704,19 +710,50 @@ class SpeculationController:
         return choice
 
     def _plan_one(self, row: RowPlan, kmax: int) -> Choice:
-        """:meth:`plan` for a batch of one free row, without the batch's arrays (see _choose_one)."""
-        # The n-gram's estimates only as far as its match reaches (_choose_one looks no further).
-        prior = self.global_acceptance(row.greedy)
-        acc = _pulled(row.seq, prior, self.cfg.seq_prior_weight, kmax, min(row.match_len, kmax))
+        """:meth:`plan` for a batch of one free row: :meth:`plan_one` with the match known."""
+        return self.plan_one(row.seq, row.greedy, min(row.cap, kmax), row.model_ok, row.context, lambda: row.match_len)
+
+    def plan_one(
+        self,
+        seq: SeqAcceptance,
+        greedy: bool,
+        cap: int,
+        model_ok: bool,
+        context: int,
+        match_len: Callable[[], int],
+    ) -> Choice:
+        """:meth:`plan` for a batch of one free row (neither forced nor seeded): k in 0..cap and the
+        drafter, without the batch's arrays (see _choose_one).
+
+        ``match_len()`` gives the n-gram's match length, and is only called where an n-gram option
+        could be chosen: priced as if the match reached ``cap``, an option that still loses to the
+        draft model's (or to none) loses with any shorter match too, and the model's options and
+        the width range do not depend on the match. Most rounds with a draft model never need the
+        lookup, which costs more than the rest of the choice once a forward pass has left the
+        caches cold. The choice is the same as with the match looked up first."""
+        prior = self.global_acceptance(greedy)
+        # Without the model the match is every option's, and whether the row can guess at all.
+        known = -1 if model_ok else match_len()
+        acc = _pulled(seq, prior, self.cfg.seq_prior_weight, cap, cap if known < 0 else min(known, cap))
         cost = self.cost_model()
-        choice = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, None, row.context)
-        explore = self._exploration_range(choice, row.match_len > 0 or row.model_ok, kmax)
+
+        def choose(width_range: tuple[int, int] | None) -> Choice:
+            nonlocal known
+            c = _choose_one(acc, cap if known < 0 else known, model_ok, cap, cost, width_range, context)
+            # (A row's Choice answers in ints: alone, width is its k and model_steps is k or 0; a
+            # numpy scalar read costs microseconds between forward passes.)
+            if known < 0 and c.width > c.model_steps:  # the n-gram wins if its match is long enough: look
+                known = match_len()
+                c = _choose_one(acc, known, model_ok, cap, cost, width_range, context)
+            return c
+
+        choice = choose(None)
+        explore = self._exploration_range(choice, model_ok or known > 0, cap)
         if explore is not None:
             lo, hi, bounded = explore
-            trial = _choose_one(acc, row.match_len, row.model_ok, row.cap, cost, (lo, hi), row.context)
-            choice = self._explored(choice, trial, bounded)
+            choice = self._explored(choice, choose((lo, hi)), bounded)
         self.stats.rounds += 1
-        self.stats.chosen_k = [int(choice.ks[0])]
+        self.stats.chosen_k = [choice.width]
         return choice
 
     def _explored(self, best: Choice, trial: Choice, bounded: bool) -> Choice:

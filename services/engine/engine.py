@@ -460,6 +460,8 @@ class Engine:
         """The controller's choice for the "auto" rows: their k and route ("draft", "ngram", "none"),
         and their n-gram guesses where the n-gram was chosen. Other rows keep their method and k
         and are priced in as they are (they set a minimum width of the round)."""
+        if len(seqs) == 1 and routes[0] == "auto" and (seqs[0].req.params.greedy or seqs[0].req.params.seed is None):
+            return self._plan_alone(seqs[0], ks[0])
         lookup = self.ngram
         have_model = self.model_drafter is not None
         matches: dict[int, list[int]] = {}
@@ -518,6 +520,28 @@ class Engine:
             else:
                 routes[i] = "draft"
         return ks, routes, pre
+
+    def _plan_alone(self, seq: _Seq, cap: int) -> tuple[list[int], list[str], dict[int, torch.Tensor]]:
+        """:meth:`_plan` for a batch of one unseeded "auto" row (a seeded one is planned from fixed
+        priors, with the batch's rows): the n-gram lookup only where the controller asks for it
+        (see SpeculationController.plan_one)."""
+        rid = seq.req.request_id
+        found: list[int] = []
+
+        def match_len() -> int:
+            found.extend(self.ngram.lookup(seq.tokens, cap, rid))
+            return len(found)
+
+        model_ok = self.model_drafter is not None and self.model_drafter.ready(rid)
+        choice = self.controller.plan_one(
+            seq.acceptance, seq.req.params.greedy, cap, model_ok, len(seq.tokens), match_len
+        )
+        k = choice.width  # alone, the row's k; model_steps is k when the model drafts, else 0
+        if k == 0:
+            return [0], ["none"], {}
+        if choice.model_steps == 0:
+            return [k], ["ngram"], {0: torch.tensor(found[:k], dtype=torch.long)}
+        return [k], ["draft"], {}
 
     def _observe(
         self,

@@ -13,6 +13,7 @@ import pytest
 from specd.services.engine.controller import (
     MODEL,
     NGRAM,
+    ControllerConfig,
     CostModel,
     RowPlan,
     SeqAcceptance,
@@ -236,6 +237,45 @@ def test_batch_of_one_fast_path_is_optimal(seed: int) -> None:
                 continue
             dr = np.array([who if k > 0 else -1])
             assert got >= _goodput(acc, match, model_ok, cap, cost, np.array([k]), dr) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_batch_of_one_looks_up_the_ngram_only_where_it_could_win(seed: int) -> None:
+    """plan_one asks for the n-gram's match only when an n-gram option could be chosen, and
+    chooses exactly what the batched decision chooses with the match known."""
+    rng = np.random.default_rng(200 + seed)
+    ctl = SpeculationController(ControllerConfig(explore_width=0.0, explore_anywhere=0.0, explore_anywhere_young=0.0))
+    seq = SeqAcceptance(KMAX)
+    ng_rate, model_rate = rng.uniform(0, 1, 2)
+    for _ in range(int(rng.integers(0, 30))):
+        drafter = NGRAM if rng.random() < 0.5 else MODEL
+        k = int(rng.integers(1, KMAX + 1))
+        passed = int(np.argmin(rng.random(k) < (ng_rate if drafter == NGRAM else model_rate))) if k else 0
+        ctl.observe_rows([(seq, True, drafter, k, passed if passed or rng.random() < 0.5 else k)])
+        ctl.observe_costs(1, k, 4e-3 + k * rng.uniform(0.2e-3, 1e-3), k if drafter == MODEL else 0, 1, 0.5e-3 * k)
+    match, model_ok, cap = int(rng.integers(0, KMAX + 1)), bool(rng.random() < 0.8), int(rng.integers(1, KMAX + 1))
+    asked = []
+    choice = ctl.plan_one(seq, True, cap, model_ok, 0, lambda: asked.append(1) or match)
+    acc = ctl.seq_acceptance(seq, ctl.global_acceptance(True))[None, :, :cap]
+    want = choose_blocks(acc, np.array([match]), np.array([model_ok]), np.array([cap]), ctl.cost_model())
+    assert (choice.ks.tolist(), choice.drafters.tolist()) == (want.ks.tolist(), want.drafters.tolist())
+    assert choice.expected_cost == pytest.approx(want.expected_cost, rel=1e-9)
+    if choice.drafters[0] == NGRAM or not model_ok:
+        assert asked == [1]
+    assert len(asked) <= 1
+
+
+def test_a_batch_of_one_skips_the_lookup_when_the_model_is_far_better() -> None:
+    """A sequence whose n-gram guesses always fail and whose model guesses always pass: the
+    lookup, the dearest part of a batch of one's choice, is never made."""
+    ctl = SpeculationController(ControllerConfig(explore_width=0.0, explore_anywhere=0.0, explore_anywhere_young=0.0))
+    seq = SeqAcceptance(KMAX)
+    for _ in range(20):
+        ctl.observe_rows([(seq, True, NGRAM, 3, 0), (seq, True, MODEL, 3, 3)])
+        ctl.observe_costs(1, 3, 4e-3, 3, 1, 0.6e-3)
+    asked = []
+    choice = ctl.plan_one(seq, True, KMAX, True, 0, lambda: asked.append(1) or KMAX)
+    assert choice.drafters[0] == MODEL and choice.width > 0 and asked == []
 
 
 def test_untested_positions_inherit_the_rate_one_position_earlier() -> None:
