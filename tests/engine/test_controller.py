@@ -23,6 +23,13 @@ from specd.services.engine.controller import (
 )
 
 KMAX = 6
+_NO_EXPLORATION = ControllerConfig(
+    explore_width=0.0,
+    explore_anywhere=0.0,
+    explore_anywhere_young=0.0,
+    explore_width_alone=0.0,
+    explore_anywhere_alone=0.0,
+)
 # A GPU at small batch: verification is memory-bound (a guess token costs ~nothing), draft steps cheap.
 MEMORY_BOUND = CostModel(v0=10e-3, v_row=0.05e-3, v_token=0.01e-3, d0=0.1e-3, d_step=0.5e-3, d_step_row=0.0)
 # A CPU (or a GPU at large batch): every verified token costs compute.
@@ -244,7 +251,7 @@ def test_a_batch_of_one_looks_up_the_ngram_only_where_it_could_win(seed: int) ->
     """plan_one asks for the n-gram's match only when an n-gram option could be chosen, and
     chooses exactly what the batched decision chooses with the match known."""
     rng = np.random.default_rng(200 + seed)
-    ctl = SpeculationController(ControllerConfig(explore_width=0.0, explore_anywhere=0.0, explore_anywhere_young=0.0))
+    ctl = SpeculationController(_NO_EXPLORATION)
     seq = SeqAcceptance(KMAX)
     ng_rate, model_rate = rng.uniform(0, 1, 2)
     for _ in range(int(rng.integers(0, 30))):
@@ -268,7 +275,7 @@ def test_a_batch_of_one_looks_up_the_ngram_only_where_it_could_win(seed: int) ->
 def test_a_batch_of_one_skips_the_lookup_when_the_model_is_far_better() -> None:
     """A sequence whose n-gram guesses always fail and whose model guesses always pass: the
     lookup, the dearest part of a batch of one's choice, is never made."""
-    ctl = SpeculationController(ControllerConfig(explore_width=0.0, explore_anywhere=0.0, explore_anywhere_young=0.0))
+    ctl = SpeculationController(_NO_EXPLORATION)
     seq = SeqAcceptance(KMAX)
     for _ in range(20):
         ctl.observe_rows([(seq, True, NGRAM, 3, 0), (seq, True, MODEL, 3, 3)])
@@ -304,6 +311,27 @@ def test_exploration_at_batch_one_tries_a_wider_and_a_narrower_block() -> None:
     assert 0 < best < KMAX, counts  # the fixture's costs put the optimum inside the range
     assert counts[best - 1] > 0 and counts[best + 1] > 0, counts
     assert counts[best - 1] + counts[best + 1] < 0.25 * counts.sum(), counts  # now and then only
+
+
+def test_a_batch_of_one_explores_less_once_past_its_young_rounds() -> None:
+    """Young, a row alone tries a neighbouring width about explore_width of its rounds; past
+    young_rounds timed rounds about explore_width_alone (plus the rare width anywhere)."""
+    ctl = SpeculationController()
+    seq = SeqAcceptance(16)
+    rows = [RowPlan(seq, True, KMAX, 0, True)]
+
+    def off_optimum(n: int) -> float:
+        widths = np.array([int(ctl.plan(rows, KMAX).width) for _ in range(n)])
+        return float((widths != np.bincount(widths).argmax()).mean())
+
+    ctl.observe_costs(1, 3, 4e-3, 3, 1, 0.6e-3)
+    young = off_optimum(2000)
+    for _ in range(ctl.cfg.young_rounds):
+        ctl.observe_costs(1, 3, 4e-3, 3, 1, 0.6e-3)
+    grown = off_optimum(4000)
+    cfg = ctl.cfg
+    assert young > 0.5 * (cfg.explore_width + cfg.explore_anywhere_young), young
+    assert 0 < grown < 2 * (cfg.explore_width_alone + cfg.explore_anywhere_alone) < young, (young, grown)
 
 
 @pytest.mark.parametrize("learn_steps", [True, False])
