@@ -11,7 +11,11 @@ a shared 2-core machine the speed of the whole run drifts by 10-30% between minu
 - per (prompt, round) the speed ratio ``auto / mode`` (tokens per second); over all of them the
   median and a 95% bootstrap interval of the median;
 - an **A/A control**: the first fixed k runs twice under two names; its interval is what identical
-  modes look like on this machine in this run.
+  modes look like on this machine in this run;
+- with ``ablations`` (greedy only), two more modes split ``auto``'s loss or gain against the middle
+  fixed k, K: ``auto`` doing all its work but with every choice replaced by the draft at K (its
+  own work's cost), and the ``auto`` path at K with the controller's planning and observing
+  skipped (the rest of the path's cost). ``auto`` against the first is what its choices are worth.
 
 The verdict against the best fixed k (the most tokens per second over the run): ``as fast`` when the
 interval reaches 1, ``slower`` when it lies below, ``faster`` when above.
@@ -23,6 +27,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,14 @@ import torch
 from specd.benchmarks.engine_bench import _params, _prompts
 from specd.services.common.constants import AUTO_NUM_TOKENS, DEFAULT_DTYPE
 from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.controller import (
+    MODEL,
+    Choice,
+    RowPlan,
+    SeqAcceptance,
+    SpeculationController,
+    solo_choice,
+)
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 
 CONTROL = "again"  # the A/A control's suffix
@@ -53,6 +66,7 @@ class PairedBenchConfig:
     out_dir: str = "benchmarks/results"
     seed: int = 0
     bootstrap: int = 2000
+    ablations: bool = False
 
     def __post_init__(self) -> None:
         if self.workload not in ("code", "prose"):
@@ -61,6 +75,13 @@ class PairedBenchConfig:
             raise ValueError(f"--paired: fixed k must be 1 or more, got {self.ks}")
         if self.rounds < 1:
             raise ValueError("--paired: --repeats must be 1 or more")
+        if self.ablations and self.temperature != 0:
+            raise ValueError("--paired --ablations: greedy only (--temperatures 0)")
+
+    @property
+    def ablation_k(self) -> int:
+        """The fixed k the ablations force: the middle of ``ks``."""
+        return sorted(self.ks)[len(self.ks) // 2]
 
 
 @dataclass(frozen=True)
@@ -68,12 +89,54 @@ class Mode:
     label: str
     method: str
     k: int
+    controller: str = "engine"  # "engine": the engine's own; "forced" / "skipped": the ablations'
+
+
+class ForcedChoiceController(SpeculationController):
+    """Ablation: every plan made in full, then replaced by the draft model at ``k`` (batch 1)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def plan_one(
+        self, seq: SeqAcceptance, greedy: bool, cap: int, model_ok: bool, context: int, match_len: Callable[[], int]
+    ) -> Choice:
+        super().plan_one(seq, greedy, cap, model_ok, context, match_len)
+        return solo_choice(min(self.k, cap), MODEL)
+
+    def plan(self, rows: list[RowPlan], kmax: int) -> Choice:
+        super().plan(rows, kmax)
+        return solo_choice(min(self.k, rows[0].cap), MODEL)
+
+
+class SkippedController(ForcedChoiceController):
+    """Ablation: no planning and no observing, the draft model at ``k`` (batch 1)."""
+
+    def plan_one(
+        self, seq: SeqAcceptance, greedy: bool, cap: int, model_ok: bool, context: int, match_len: Callable[[], int]
+    ) -> Choice:
+        return solo_choice(min(self.k, cap), MODEL)
+
+    def plan(self, rows: list[RowPlan], kmax: int) -> Choice:
+        return solo_choice(min(self.k, rows[0].cap), MODEL)
+
+    def observe_rows(self, rows: Sequence[tuple[SeqAcceptance, bool, int, int, int]]) -> None:
+        pass
+
+    def observe_costs(self, *args: float, **kwargs: float) -> None:
+        pass
 
 
 def _modes(cfg: PairedBenchConfig) -> list[Mode]:
     fixed = [Mode(f"draft k={k}", "draft", k) for k in cfg.ks]
     control = Mode(f"{fixed[0].label} {CONTROL}", "draft", cfg.ks[0])
-    return [*fixed, control, Mode(f"auto k<={cfg.auto_k}", "auto", cfg.auto_k)]
+    modes = [*fixed, control, Mode(f"auto k<={cfg.auto_k}", "auto", cfg.auto_k)]
+    if cfg.ablations:
+        k = cfg.ablation_k
+        modes.append(Mode(f"auto, choices = k={k}", "auto", cfg.auto_k, "forced"))
+        modes.append(Mode(f"auto path, no controller, k={k}", "auto", cfg.auto_k, "skipped"))
+    return modes
 
 
 def paired_interval(ratios: list[float], draws: int, seed: int) -> tuple[float, float, float]:
@@ -93,7 +156,16 @@ def _interval(r: dict) -> str:
     return f"median paired ratio {r['median']:.3f}, 95% interval {r['low']:.3f}-{r['high']:.3f} ({r['verdict']})"
 
 
-def _run_one(engine: Engine, mode: Mode, ids, i: int, cfg: PairedBenchConfig, tag: str) -> tuple[float, int]:
+def _run_one(
+    engine: Engine,
+    mode: Mode,
+    ids,
+    i: int,
+    cfg: PairedBenchConfig,
+    tag: str,
+    controllers: dict[str, SpeculationController],
+) -> tuple[float, int]:
+    engine.controller = controllers[mode.controller]
     req = Request(
         f"{mode.label}-{tag}",
         ids,
@@ -114,23 +186,30 @@ def run_paired_bench(cfg: PairedBenchConfig) -> dict:
     )
     prompts = _prompts(engine, False)[cfg.workload]
     modes = _modes(cfg)
+    # Each ablation keeps statistics of its own: the engine's controller learns only from auto's rounds.
+    controllers = {
+        "engine": engine.controller,
+        "forced": ForcedChoiceController(cfg.ablation_k),
+        "skipped": SkippedController(cfg.ablation_k),
+    }
     for mode in modes:  # the first request of a mode pays for its first allocations
-        _run_one(engine, mode, prompts[0], 0, cfg, "warm")
+        _run_one(engine, mode, prompts[0], 0, cfg, "warm", controllers)
     order = random.Random(cfg.seed)
     speed: dict[str, dict[tuple[int, int], float]] = {m.label: {} for m in modes}
     totals = {m.label: [0, 0.0] for m in modes}
     for rnd in range(cfg.rounds):
         for i, ids in enumerate(prompts):
             for mode in order.sample(modes, len(modes)):
-                seconds, tokens = _run_one(engine, mode, ids, i, cfg, f"{i}-{rnd}")
+                seconds, tokens = _run_one(engine, mode, ids, i, cfg, f"{i}-{rnd}", controllers)
                 speed[mode.label][(i, rnd)] = tokens / seconds
                 totals[mode.label][0] += tokens
                 totals[mode.label][1] += seconds
+    engine.controller = controllers["engine"]
     engine.close()
 
     tps = {label: t / s for label, (t, s) in totals.items()}
-    auto = modes[-1].label
-    fixed = [m.label for m in modes[:-2]]
+    auto = f"auto k<={cfg.auto_k}"
+    fixed = [f"draft k={k}" for k in cfg.ks]
     best = max(fixed, key=tps.__getitem__)
 
     def compare(a: str, b: str) -> dict:
@@ -147,7 +226,12 @@ def run_paired_bench(cfg: PairedBenchConfig) -> dict:
         }
 
     rows = [compare(auto, f) for f in fixed]
-    control = compare(modes[-2].label, modes[0].label)
+    control = compare(f"{fixed[0]} {CONTROL}", fixed[0])
+    ablations = []
+    if cfg.ablations:
+        k = cfg.ablation_k
+        forced, skipped = f"auto, choices = k={k}", f"auto path, no controller, k={k}"
+        ablations = [compare(forced, f"draft k={k}"), compare(skipped, f"draft k={k}"), compare(auto, forced)]
     doc = {
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
         "tokens_per_second": tps,
@@ -155,12 +239,13 @@ def run_paired_bench(cfg: PairedBenchConfig) -> dict:
         "auto_vs_fixed": rows,
         "auto_vs_best": next(r for r in rows if r["b"] == best),
         "control": control,
+        "ablations": ablations,
         "per_request_speed": {label: [v for _, v in sorted(s.items())] for label, s in speed.items()},
     }
     print(f"{cfg.workload}, T = {cfg.temperature}, batch 1, {cfg.rounds} rounds x {len(prompts)} prompts, shuffled")
     for label, v in tps.items():
         print(f"  {label:22s} {v:7.1f} tok/s (median request {statistics.median(speed[label].values()):.1f})")
-    for r in [*rows, control]:
+    for r in [*rows, control, *ablations]:
         print(f"  {r['a']} / {r['b']}: {_interval(r)}, n = {r['n']}")
     print(
         f"auto against the best fixed k ({best}): {_interval(doc['auto_vs_best'])}; A/A control: {_interval(control)}"

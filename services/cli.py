@@ -228,6 +228,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 workload=args.workloads,
                 rounds=args.repeats or 8,
                 out_dir=args.out,
+                ablations=args.ablations,
             )
         )
         return 0
@@ -685,6 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto against each fixed k (--k, default 2,3,4) request by request at batch 1, in-process: "
         "median paired speed ratios with 95%% intervals and an A/A control (--repeats rounds, default 8; "
         "--workloads code or prose; one --temperatures value)",
+    )
+    b.add_argument(
+        "--ablations",
+        action="store_true",
+        help="--paired, greedy: also auto with its choices forced to the middle --k (its work still done) and "
+        "the auto path with no controller: what auto's own work costs and what its choices are worth",
     )
     b.add_argument(
         "--draft-ahead",

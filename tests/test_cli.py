@@ -91,6 +91,39 @@ def test_bench_paired_compares_auto_with_each_fixed_k_request_by_request(tiny_pa
     assert "auto against the best fixed k" in res.stdout
 
 
+def test_bench_paired_ablations_split_auto_s_work_from_its_choices(tiny_pair, tmp_path) -> None:
+    """``bench --paired --ablations``: auto with its choices forced to the middle k and the auto path
+    without a controller run beside the rest and are compared with that fixed k."""
+    target, draft = tiny_pair
+    res = _specd(
+        "bench", "--paired", "--ablations", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
+        "--k", "1,2,3", "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "paired_bench.json").read_text())
+    assert [(r["a"], r["b"]) for r in doc["ablations"]] == [
+        ("auto, choices = k=2", "draft k=2"),
+        ("auto path, no controller, k=2", "draft k=2"),
+        ("auto k<=6", "auto, choices = k=2"),
+    ]
+    for r in doc["ablations"]:
+        assert r["n"] == 6 and 0 < r["low"] <= r["median"] <= r["high"]
+
+
+def test_ablation_controllers_force_the_draft_at_k_with_and_without_the_work() -> None:
+    from specd.benchmarks.paired_bench import ForcedChoiceController, SkippedController
+    from specd.services.engine.controller import MODEL, RowPlan, SeqAcceptance
+
+    forced, skipped = ForcedChoiceController(3), SkippedController(3)
+    for ctl in (forced, skipped):
+        for cap in (6, 2):
+            choice = ctl.plan_one(SeqAcceptance(6), True, cap, True, 10, lambda: 6)
+            assert (choice.width, choice.model_steps, int(choice.drafters[0])) == (min(3, cap), min(3, cap), MODEL)
+        choice = ctl.plan([RowPlan(SeqAcceptance(6), False, 6, 0, True, deterministic=True)], 6)
+        assert choice.ks.tolist() == [3] and choice.drafters.tolist() == [MODEL]
+    assert forced.stats.rounds == 3 and skipped.stats.rounds == 0  # the forced one still planned
+
+
 def test_paired_interval_and_verdict() -> None:
     from specd.benchmarks.paired_bench import paired_interval, verdict
 

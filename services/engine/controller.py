@@ -293,6 +293,12 @@ _ONE_ROW_KS = [_frozen([k]) for k in range(MAX_SPECULATIVE_TOKENS + 1)]
 _ONE_ROW_DRAFTERS = {d: _frozen([d]) for d in (-1, NGRAM, MODEL)}
 
 
+def solo_choice(k: int, drafter: int) -> Choice:
+    """A batch of one's decision as it is, unpriced: k guesses from ``drafter`` (k = 0: none)."""
+    d = drafter if k > 0 else -1
+    return Choice(_ONE_ROW_KS[k], _ONE_ROW_DRAFTERS[d], k, k if d == MODEL else 0, 1.0, 0.0)
+
+
 def _forced_choice(
     acceptance: np.ndarray, ks: np.ndarray, drafters: np.ndarray, cost: CostModel, keys: int = 0
 ) -> Choice:
