@@ -40,6 +40,7 @@ from specd.services.engine.builder import ModelSpec, build_engine
 from specd.services.engine.controller import (
     MODEL,
     Choice,
+    ControllerConfig,
     RowPlan,
     SeqAcceptance,
     SpeculationController,
@@ -95,8 +96,8 @@ class Mode:
 class ForcedChoiceController(SpeculationController):
     """Ablation: every plan made in full, then replaced by the draft model at ``k`` (batch 1)."""
 
-    def __init__(self, k: int) -> None:
-        super().__init__()
+    def __init__(self, k: int, config: ControllerConfig = ControllerConfig()) -> None:
+        super().__init__(config)
         self.k = k
 
     def plan_one(
@@ -186,11 +187,13 @@ def run_paired_bench(cfg: PairedBenchConfig) -> dict:
     )
     prompts = _prompts(engine, False)[cfg.workload]
     modes = _modes(cfg)
-    # Each ablation keeps statistics of its own: the engine's controller learns only from auto's rounds.
+    # Each ablation keeps statistics of its own (the engine's controller learns only from auto's
+    # rounds), under the engine's controller settings.
+    own = engine.controller
     controllers = {
-        "engine": engine.controller,
-        "forced": ForcedChoiceController(cfg.ablation_k),
-        "skipped": SkippedController(cfg.ablation_k),
+        "engine": own,
+        "forced": ForcedChoiceController(cfg.ablation_k, own.cfg),
+        "skipped": SkippedController(cfg.ablation_k, own.cfg),
     }
     for mode in modes:  # the first request of a mode pays for its first allocations
         _run_one(engine, mode, prompts[0], 0, cfg, "warm", controllers)
@@ -204,7 +207,7 @@ def run_paired_bench(cfg: PairedBenchConfig) -> dict:
                 speed[mode.label][(i, rnd)] = tokens / seconds
                 totals[mode.label][0] += tokens
                 totals[mode.label][1] += seconds
-    engine.controller = controllers["engine"]
+    engine.controller = own
     engine.close()
 
     tps = {label: t / s for label, (t, s) in totals.items()}
