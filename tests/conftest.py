@@ -11,6 +11,9 @@ import torch
 
 from tests.tiny_models import build_micro_pair, build_tiny_pair
 
+# SIGTERM tears the fixtures down (and so stops the services they started) before pytest exits.
+pytest_plugins = ["tests.interrupt"]
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO / "models" / "demo-target"
 DEMO_DRAFT = REPO / "models" / "demo-draft"
