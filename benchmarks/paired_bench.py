@@ -100,15 +100,19 @@ class ForcedChoiceController(SpeculationController):
         super().__init__(config)
         self.k = k
 
+    def forced(self, cap: int) -> Choice:
+        """The draft model at k, within the row's cap."""
+        return solo_choice(min(self.k, cap), MODEL)
+
     def plan_one(
         self, seq: SeqAcceptance, greedy: bool, cap: int, model_ok: bool, context: int, match_len: Callable[[], int]
     ) -> Choice:
         super().plan_one(seq, greedy, cap, model_ok, context, match_len)
-        return solo_choice(min(self.k, cap), MODEL)
+        return self.forced(cap)
 
     def plan(self, rows: list[RowPlan], kmax: int) -> Choice:
         super().plan(rows, kmax)
-        return solo_choice(min(self.k, rows[0].cap), MODEL)
+        return self.forced(rows[0].cap)
 
 
 class SkippedController(ForcedChoiceController):
@@ -117,10 +121,10 @@ class SkippedController(ForcedChoiceController):
     def plan_one(
         self, seq: SeqAcceptance, greedy: bool, cap: int, model_ok: bool, context: int, match_len: Callable[[], int]
     ) -> Choice:
-        return solo_choice(min(self.k, cap), MODEL)
+        return self.forced(cap)
 
     def plan(self, rows: list[RowPlan], kmax: int) -> Choice:
-        return solo_choice(min(self.k, rows[0].cap), MODEL)
+        return self.forced(rows[0].cap)
 
     def observe_rows(self, rows: Sequence[tuple[SeqAcceptance, bool, int, int, int]]) -> None:
         pass

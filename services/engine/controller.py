@@ -278,7 +278,7 @@ def _choose_one(
             if k >= lo and (best is None or tokens / c > best[0] * (1 + 1e-9)):
                 best = (tokens / c, tokens, k, d, c)
     _, tokens, k, drafter, c = best
-    return Choice(_ONE_ROW_KS[k], _ONE_ROW_DRAFTERS[drafter], k, k if drafter == MODEL else 0, tokens, c)
+    return solo_choice(k, drafter, tokens, c)
 
 
 def _frozen(values: list[int]) -> np.ndarray:
@@ -293,10 +293,11 @@ _ONE_ROW_KS = [_frozen([k]) for k in range(MAX_SPECULATIVE_TOKENS + 1)]
 _ONE_ROW_DRAFTERS = {d: _frozen([d]) for d in (-1, NGRAM, MODEL)}
 
 
-def solo_choice(k: int, drafter: int) -> Choice:
-    """A batch of one's decision as it is, unpriced: k guesses from ``drafter`` (k = 0: none)."""
+def solo_choice(k: int, drafter: int, tokens: float = 1.0, cost: float = 0.0) -> Choice:
+    """A batch of one's decision: k guesses from ``drafter`` (k = 0: none), expected to give
+    ``tokens`` for ``cost`` seconds (unpriced by default)."""
     d = drafter if k > 0 else -1
-    return Choice(_ONE_ROW_KS[k], _ONE_ROW_DRAFTERS[d], k, k if d == MODEL else 0, 1.0, 0.0)
+    return Choice(_ONE_ROW_KS[k], _ONE_ROW_DRAFTERS[d], k, k if d == MODEL else 0, tokens, cost)
 
 
 def _forced_choice(
@@ -861,15 +862,16 @@ class SpeculationController:
             self._timings, start=first
         ):
             timed_verify = i > 0
+            predicted = c.verify(rows, width, keys)
             # A round far slower than predicted (another process took the core) is clipped, not trusted.
-            limit = cfg.outlier_factor * c.verify(rows, width, keys) if timed_verify else float("inf")
+            limit = cfg.outlier_factor * predicted if timed_verify else float("inf")
             y = min(verify_seconds, limit)
             self.verify_fit.decay(cfg.cost_decay)
             self.draft_fit.decay(cfg.cost_decay)
             self.verify_fit.add((1.0, rows, rows * (width + 1.0), float(keys)), y)
             tokens = rows * (width + 1)
             if timed_verify and tokens < cfg.step_tokens:
-                deviation = y - (c.verify(rows, width, keys) - c.extra(tokens))  # from the line
+                deviation = y - (predicted - c.extra(tokens))  # from the line
                 self._step_sum[tokens] = self._step_sum[tokens] * cfg.step_decay + deviation
                 self._step_n[tokens] = self._step_n[tokens] * cfg.step_decay + 1.0
                 self._step_top = max(self._step_top, tokens + 1)
