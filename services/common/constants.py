@@ -20,6 +20,10 @@ METHODS_USING_DRAFT_MODEL = ("draft", "hybrid")  # "auto" uses it too, when one 
 MAX_SPECULATIVE_TOKENS = 16
 AUTO_NUM_TOKENS = 6  # the largest k "auto" may choose unless the request says otherwise
 FIXED_NUM_TOKENS = 3  # k of the fixed methods by default (the best measured k for the demo pair, README)
+# A round normally brings a draft model one or two committed tokens it has not fed (the bonus or the
+# replaced guess; after a fully accepted block, the last guess too). More than this many, after rounds
+# it was not asked in, and it catches up first: work a round pays for, which auto prices per token.
+CATCH_UP_TOKENS = 2
 
 
 def default_num_tokens(method: str) -> int:

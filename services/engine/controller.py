@@ -16,8 +16,12 @@ widest block of the round; shorter rows are padded), so verification costs
 batch, and a guess inside the width is free. ``keys`` is the round's context, the cached tokens its
 rows attend to: the same whatever the widths, but a round of 64 rows at 300 tokens of context costs
 three times one at 50 on the demo target, and a fit blind to it blames the width for the growth.
-The draft model runs ``Km`` sequential steps for all the rows it drafts (``Bm`` of them):
-``d0 + Km * (s0 + s1 * Bm)``. n-gram lookups are (nearly) free. On a GPU at
+The draft model runs ``Km`` sequential steps for all the rows it drafts (``Bm`` of them), after feeding
+each row the committed tokens it has not seen: ``d0 + Km * (s0 + s1 * Bm) + dC * C``, where ``C``
+counts the tokens past the usual one or two (``CATCH_UP_TOKENS``) of a row that sat out earlier
+rounds (a row the draft has never seen brings its whole context). Without ``dC``, switching a row
+back to the model after speculation was off looks free, and under load a controller that switches
+rows on and off pays for catching them up every time. n-gram lookups are (nearly) free. On a GPU at
 small batch ``vN`` is ~0 (memory-bound) and k goes up; at large batch, or on a CPU, ``vN * B``
 dominates and k falls, down to 0 where a guess costs more than it is expected to yield.
 
@@ -54,6 +58,7 @@ class CostModel:
     d_step: float = 0.0  # draft model: per step
     d_step_row: float = 0.0  # draft model: per step and per drafted row
     v_key: float = 0.0  # verify: per cached token the round's rows attend to (their context)
+    d_catch: float = 0.0  # draft model: per committed token fed before guessing (catch-up)
     # Measured deviation from the line, seconds, by the round's verified tokens B * (W + 1) (0 past
     # its end). Kernels work on blocks of rows, so a verified token more costs a staircase, not a
     # line: on this CPU the bf16 kernel takes 3 rows per pass over the weights.
@@ -93,8 +98,10 @@ class CostModel:
             object.__setattr__(self, "_steps_array", t)
         return np.where(tokens < len(t), t[np.minimum(tokens, len(t) - 1)], 0.0)
 
-    def draft(self, steps: int, rows: int) -> float:
-        return 0.0 if steps == 0 or rows == 0 else self.d0 + steps * (self.d_step + self.d_step_row * rows)
+    def draft(self, steps: int, rows: int, caught_up: float = 0) -> float:
+        if steps == 0 or rows == 0:
+            return 0.0
+        return self.d0 + steps * (self.d_step + self.d_step_row * rows) + self.d_catch * caught_up
 
 
 class Choice(NamedTuple):
@@ -133,6 +140,7 @@ def choose_blocks(
     forced_drafter: np.ndarray | None = None,
     width_range: tuple[int, int] | None = None,
     keys: int = 0,
+    catch_up: np.ndarray | None = None,
 ) -> Choice:
     """Per-row k and drafter maximising expected tokens / expected cost for one round.
 
@@ -144,18 +152,25 @@ def choose_blocks(
         fixed-method request, a seeded one); they are priced in and constrain the width.
     width_range: (lo, hi) bounds on the width (exploration); default any.
     keys: the round's context (cached tokens its rows attend to), priced whatever the widths.
+    catch_up [B]: tokens the draft model must feed a row before guessing for it (0: none; see the
+        module docstring), priced where the row uses the model; fractional where the controller
+        spreads a catch-up over the rounds it pays for (ControllerConfig.catch_up_rounds).
 
     Enumerates the width W and the model steps Km <= W (at most (kmax+1)^2 pairs, vectorised over
     rows). For one (W, Km), a guess within the width costs nothing more, so each free row takes the
     option with the most expected tokens: the n-gram's min(match, W, cap) guesses, the model's
     min(Km, cap), or none; the model option must beat the others by the marginal cost of drafting
-    one more row, priced at the round's goodput (one Dinkelbach refinement). Ties go to the
-    smaller block, so a row whose acceptance is 0 gets k = 0.
+    one more row (its steps and its catch-up), priced at the round's goodput (one Dinkelbach
+    refinement). Ties go to the smaller block, so a row whose acceptance is 0 gets k = 0.
     """
     B, _, kmax = acceptance.shape
+    if catch_up is None:
+        catch_up = np.zeros(B, dtype=int)
     if B == 1 and (forced_k is None or forced_k[0] < 0):
         acc = np.clip(acceptance[0], 0.0, 1.0).tolist()
-        return _choose_one(acc, int(match_len[0]), bool(model_ok[0]), int(cap[0]), cost, width_range, keys)
+        return _choose_one(
+            acc, int(match_len[0]), bool(model_ok[0]), int(cap[0]), cost, width_range, keys, float(catch_up[0])
+        )
     if forced_k is None:
         forced_k = np.full(B, -1)
     if forced_drafter is None:
@@ -171,6 +186,7 @@ def choose_blocks(
     forced_tokens = float(np.where(fd >= 0, E[rows, np.maximum(fd, 0), fk], 1.0)[~free].sum())
     forced_width = int(fk.max()) if B else 0
     forced_model_rows = int(((fd == MODEL) & ~free).sum())
+    forced_catch_up = float(catch_up[(fd == MODEL) & ~free].sum())
     forced_steps = int(fk[fd == MODEL].max()) if forced_model_rows else 0
 
     # Per candidate width W: n-gram guesses and their expected tokens, [kmax+1, B].
@@ -188,18 +204,21 @@ def choose_blocks(
     e_model = e_m[None, :, :]  # [1, Km, B]
     can_model = (free & model_ok)[None, None, :] & (m_k > 0)[None, :, :]
     fixed_verify = cost.v0 + cost.v_row * B + cost.v_key * keys
+    row_catch_up = cost.d_catch * catch_up  # [B] seconds
 
     def evaluate(rate: float, ranged: bool = True):
-        # Drafting one more row costs d_step_row per step, priced at the round's goodput.
-        use_model = can_model & ((e_model - base) * (1 - 1e-9) > rate * K_ax[:, :, None] * cost.d_step_row)
+        # Drafting one more row costs d_step_row per step and its catch-up, priced at the round's goodput.
+        marginal = K_ax[:, :, None] * cost.d_step_row + row_catch_up[None, None, :]
+        use_model = can_model & ((e_model - base) * (1 - 1e-9) > rate * marginal)
         tokens = forced_tokens + np.where(use_model, e_model, base).sum(axis=-1)
         bm = use_model.sum(axis=-1) + forced_model_rows  # [W, Km]
+        caught_up = np.where(use_model, catch_up, 0).sum(axis=-1) + forced_catch_up  # [W, Km]
         ng_used = np.where(free[None, None, :] & ~use_model, ng_k[:, None, :], 0)
         widest_ng = ng_used.max(axis=-1) if B else np.zeros_like(bm)
         steps = np.where(bm > 0, np.maximum(K_ax, forced_steps), 0)
         width = np.maximum(np.maximum(widest_ng, forced_width), steps)
         c = fixed_verify + cost.v_token * B * (width + 1) + cost.extra_array(B * (width + 1))
-        c = c + np.where(steps > 0, cost.d0 + steps * (cost.d_step + cost.d_step_row * bm), 0.0)
+        c = c + np.where(steps > 0, cost.d0 + steps * (cost.d_step + cost.d_step_row * bm) + cost.d_catch * caught_up, 0.0)
         # The round's actual width (not only the n-gram's cap W) must lie in the range: a range
         # asks for that width to be verified (exploration).
         ok = valid & (width >= lo) & (width <= hi) if ranged else valid
@@ -220,13 +239,13 @@ def choose_blocks(
         )
 
     # Speculating nowhere prices the first pass; then one refinement at the goodput found.
-    none_cost = cost.verify(B, forced_width, keys) + cost.draft(forced_steps, forced_model_rows)
+    none_cost = cost.verify(B, forced_width, keys) + cost.draft(forced_steps, forced_model_rows, forced_catch_up)
     rate = (forced_tokens + float(free.sum())) / none_cost
     best = evaluate(rate)
     ranged = best[0] > -np.inf  # no row can reach the range: the best outside it
     if not ranged:
         best = evaluate(rate, ranged=False)
-    if cost.d_step_row > 0:  # the goodput only prices extra model rows
+    if cost.d_step_row > 0 or row_catch_up.any():  # the goodput only prices extra model rows
         refined = evaluate(best[0], ranged)
         if refined[0] > best[0]:
             best = refined
@@ -246,6 +265,7 @@ def _choose_one(
     cost: CostModel,
     width_range: tuple[int, int] | None,
     keys: int = 0,
+    catch_up: float = 0.0,
 ) -> Choice:
     """:func:`choose_blocks` for a batch of one free row, in plain Python: at batch 1 a round is a
     few milliseconds, and some fifty small numpy calls would cost a noticeable share of it.
@@ -268,7 +288,7 @@ def _choose_one(
     best = (1.0 / (solo[0] + context), 1.0, 0, -1, solo[0] + context) if lo == 0 else None
     for d, top, d0, step in (
         (NGRAM, top_ngram, 0.0, 0.0),
-        (MODEL, top_model, cost.d0, cost.d_step + cost.d_step_row),
+        (MODEL, top_model, cost.d0 + cost.d_catch * catch_up, cost.d_step + cost.d_step_row),
     ):
         survive, tokens = 1.0, 1.0
         for k in range(1, top + 1):
@@ -301,7 +321,12 @@ def solo_choice(k: int, drafter: int, tokens: float = 1.0, cost: float = 0.0) ->
 
 
 def _forced_choice(
-    acceptance: np.ndarray, ks: np.ndarray, drafters: np.ndarray, cost: CostModel, keys: int = 0
+    acceptance: np.ndarray,
+    ks: np.ndarray,
+    drafters: np.ndarray,
+    cost: CostModel,
+    keys: int = 0,
+    catch_up: np.ndarray | None = None,
 ) -> Choice:
     """The round of rows whose k and drafter are all decided already, priced like any other."""
     kmax = acceptance.shape[-1]
@@ -313,7 +338,8 @@ def _forced_choice(
     model = drafters == MODEL
     steps = int(ks[model].max()) if model.any() else 0
     width = int(ks.max()) if len(ks) else 0
-    c = cost.verify(len(ks), width, keys) + cost.draft(steps, int(model.sum()))
+    caught_up = float(catch_up[model].sum()) if catch_up is not None else 0.0
+    c = cost.verify(len(ks), width, keys) + cost.draft(steps, int(model.sum()), caught_up)
     return Choice(ks.astype(int), drafters.astype(int), width, steps, tokens, c)
 
 
@@ -386,6 +412,10 @@ class ControllerConfig:
     explore_width_alone: float = 0.04
     explore_anywhere_alone: float = 0.01
     explore_start: float = 0.02  # per round, with speculation off everywhere: try a width of 1
+    # A row's catch-up on the draft model (RowPlan.catch_up) is paid once and serves the rounds it
+    # then keeps drafting: priced at this share per round. About the memory of a row's own
+    # acceptance (seq_decay): priced in full, a row that sat out a stretch would never come back.
+    catch_up_rounds: float = 8.0
     # Past the young rounds and at a batch, a width tried anywhere may cost at most this share of
     # the chosen round's expected goodput: at 64 rows on a CPU a width of 5 costs three rounds,
     # and trying it teaches nothing worth that.
@@ -561,13 +591,14 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 # the real pair's 0.003%), a draft step 12% (the demo pair on a CPU core is near this; the real
 # pair's draft is dearer, and a GPU's verify at small batch cheaper per token, which the fit learns).
 _VERIFY_SHAPE = (1.0, 0.1, 0.1, 3e-4)  # v0, v_row, v_token, v_key
-_DRAFT_SHAPE = (0.02, 0.12, 0.03)  # d0, d_step, d_step_row
+# A token caught up costs the draft about a row's step (one more position in its first pass).
+_DRAFT_SHAPE = (0.02, 0.12, 0.03, 0.03)  # d0, d_step, d_step_row, d_catch
 
 
 def _cost(verify: Sequence[float], draft: Sequence[float], by_tokens: Sequence[float] | None = None) -> CostModel:
     v0, v_row, v_token, v_key = (float(x) for x in verify)
-    d0, d_step, d_step_row = (float(x) for x in draft)
-    return CostModel(v0, v_row, v_token, d0, d_step, d_step_row, v_key, by_tokens)
+    d0, d_step, d_step_row, d_catch = (float(x) for x in draft)
+    return CostModel(v0, v_row, v_token, d0, d_step, d_step_row, v_key, d_catch, by_tokens)
 
 
 # The cost model seeded requests are planned with: fixed, so their k never depends on timings. It
@@ -588,6 +619,7 @@ class RowPlan:
     forced_drafter: int = -1
     deterministic: bool = False  # plan from the row alone with fixed priors (seeded sampling)
     context: int = 0  # tokens in the row's cache (what its verification attends to)
+    catch_up: int = 0  # tokens the draft model must feed before guessing for it (CostModel.d_catch)
 
 
 @dataclass
@@ -617,8 +649,8 @@ class SpeculationController:
         self._cost_age = 0
         self._stale = False  # refit at the next use (the first timings)
         # Timings since the last refit, folded into the fits then: (rows, width, keys, verify
-        # seconds, model steps, model rows, draft seconds).
-        self._timings: list[tuple[int, int, int, float, int, int, float]] = []
+        # seconds, model steps, model rows, draft seconds, tokens caught up).
+        self._timings: list[tuple[int, int, int, float, int, int, float, int]] = []
         self._draft_timed = False  # whether any round has timed the draft model
         self._timed_round = 0  # rounds timed so far
         # Decayed sums of deviations from the line, by verified tokens (lists: see DecayedCounts).
@@ -707,23 +739,27 @@ class SpeculationController:
             forced_d,
         )
         keys = sum(r.context for r in rows)
+        catch_up = np.array([r.catch_up for r in rows], dtype=float) / self.cfg.catch_up_rounds
         if (forced_k >= 0).all():  # nothing left to decide (seeded or fixed-method rows only)
-            choice = _forced_choice(acc, forced_k, forced_d, args[4], keys)
+            choice = _forced_choice(acc, forced_k, forced_d, args[4], keys, catch_up)
             self.stats.rounds += 1
             self.stats.chosen_k = choice.ks.tolist()
             return choice
-        choice = choose_blocks(*args, keys=keys)
+        choice = choose_blocks(*args, keys=keys, catch_up=catch_up)
         explore = self._exploration_range(choice, bool(((args[1] > 0) | args[2]).any()), kmax)
         if explore is not None:
             lo, hi, bounded = explore
-            choice = self._explored(choice, choose_blocks(*args, width_range=(lo, hi), keys=keys), bounded)
+            trial = choose_blocks(*args, width_range=(lo, hi), keys=keys, catch_up=catch_up)
+            choice = self._explored(choice, trial, bounded)
         self.stats.rounds += 1
         self.stats.chosen_k = choice.ks.tolist()
         return choice
 
     def _plan_one(self, row: RowPlan, kmax: int) -> Choice:
         """:meth:`plan` for a batch of one free row: :meth:`plan_one` with the match known."""
-        return self.plan_one(row.seq, row.greedy, min(row.cap, kmax), row.model_ok, row.context, lambda: row.match_len)
+        return self.plan_one(
+            row.seq, row.greedy, min(row.cap, kmax), row.model_ok, row.context, lambda: row.match_len, row.catch_up
+        )
 
     def plan_one(
         self,
@@ -733,9 +769,10 @@ class SpeculationController:
         model_ok: bool,
         context: int,
         match_len: Callable[[], int],
+        catch_up: int = 0,
     ) -> Choice:
         """:meth:`plan` for a batch of one free row (neither forced nor seeded): k in 0..cap and the
-        drafter, without the batch's arrays (see _choose_one).
+        drafter, without the batch's arrays (see _choose_one). ``catch_up``: RowPlan.catch_up.
 
         ``match_len()`` gives the n-gram's match length, and is only called where an n-gram option
         could be chosen: priced as if the match reached ``cap``, an option that still loses to the
@@ -748,15 +785,16 @@ class SpeculationController:
         known = -1 if model_ok else match_len()
         acc = _pulled(seq, prior, self.cfg.seq_prior_weight, cap, cap if known < 0 else min(known, cap))
         cost = self.cost_model()
+        catch_up_share = catch_up / self.cfg.catch_up_rounds
 
         def choose(width_range: tuple[int, int] | None) -> Choice:
             nonlocal known
-            c = _choose_one(acc, cap if known < 0 else known, model_ok, cap, cost, width_range, context)
+            c = _choose_one(acc, cap if known < 0 else known, model_ok, cap, cost, width_range, context, catch_up_share)
             # (A row's Choice answers in ints: alone, width is its k and model_steps is k or 0; a
             # numpy scalar read costs microseconds between forward passes.)
             if known < 0 and c.width > c.model_steps:  # the n-gram wins if its match is long enough: look
                 known = match_len()
-                c = _choose_one(acc, known, model_ok, cap, cost, width_range, context)
+                c = _choose_one(acc, known, model_ok, cap, cost, width_range, context, catch_up_share)
             return c
 
         choice = choose(None)
@@ -834,10 +872,11 @@ class SpeculationController:
         model_rows: int,
         draft_seconds: float,
         keys: int = 0,
+        caught_up: int = 0,
     ) -> None:
         """One round's timings: verification of ``rows`` x ``width + 1`` tokens over ``keys`` tokens
         of context (and the emit that follows), and ``model_steps`` draft-model steps for
-        ``model_rows`` rows (0 if unused)."""
+        ``model_rows`` rows (0 if unused) after feeding them ``caught_up`` tokens of catch-up."""
         self.cost_model()  # refits first if due: every timing waiting to be folded in is priced by one model
         first_verify = self._timed_round == 0
         drafted = model_steps > 0 and model_rows > 0
@@ -845,7 +884,7 @@ class SpeculationController:
         self._timed_round += 1
         self._draft_timed = self._draft_timed or drafted
         self._timings.append(
-            (rows, width, keys, verify_seconds, model_steps if drafted else 0, model_rows, draft_seconds)
+            (rows, width, keys, verify_seconds, model_steps if drafted else 0, model_rows, draft_seconds, caught_up)
         )
         self._cost_age += 1
         if first_verify or first_draft:
@@ -858,7 +897,7 @@ class SpeculationController:
         times what it costs here)."""
         cfg, c = self.cfg, self._cost
         first = self._timed_round - len(self._timings)  # rounds timed before these
-        for i, (rows, width, keys, verify_seconds, model_steps, model_rows, draft_seconds) in enumerate(
+        for i, (rows, width, keys, verify_seconds, model_steps, model_rows, draft_seconds, caught_up) in enumerate(
             self._timings, start=first
         ):
             timed_verify = i > 0
@@ -877,7 +916,8 @@ class SpeculationController:
                 self._step_top = max(self._step_top, tokens + 1)
             if model_steps > 0:
                 # The first timing (a draft service's time-out, say) is checked against the prior.
-                limit = (1 if self.draft_fit.fitted else 2) * cfg.outlier_factor * c.draft(model_steps, model_rows)
-                x = (1.0, model_steps, model_steps * float(model_rows))
+                predicted = c.draft(model_steps, model_rows, caught_up)
+                limit = (1 if self.draft_fit.fitted else 2) * cfg.outlier_factor * predicted
+                x = (1.0, model_steps, model_steps * float(model_rows), float(caught_up))
                 self.draft_fit.add(x, min(draft_seconds, limit))
         self._timings.clear()

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from specd.services.common.constants import CATCH_UP_TOKENS
 from specd.services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
 from specd.services.engine.model import CausalLM
 from specd.services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
@@ -48,10 +49,10 @@ class Proposal:
     # [B, K] long: per position the draft's best token other than its guess (the likeliest
     # replacement if the target rejects it), when asked for; a draft service prepares for it.
     alternatives: torch.Tensor | None = None
-    # Whether the time the proposal took was spent guessing. False when a draft service also had to
-    # prefill (a sequence opened this round, or one catching up on many tokens): that round says
-    # nothing about the price of a guess, which method auto learns from the rounds' timings.
-    timed: bool = True
+    # Committed tokens the drafter fed this round beyond each row's usual CATCH_UP_TOKENS: rows
+    # catching up after rounds they sat out, prompts a draft service prefilled inside the round.
+    # auto's cost model prices them apart from the guesses (CostModel.d_catch).
+    caught_up: int = 0
 
 
 class Drafter(Protocol):
@@ -74,6 +75,10 @@ class Drafter(Protocol):
 
     def ready(self, seq_id: str) -> bool:
         """Whether the sequence can be proposed for (its prompt is prefilled)."""
+
+    def unseen(self, seq_id: str, length: int) -> int:
+        """Of the sequence's ``length`` committed tokens, how many the drafter has not fed: its next
+        proposal feeds them first (1 or 2 after a round it drafted; more after rounds it sat out)."""
 
     def close(self) -> None:
         """Release what the drafter holds outside this process (streams, channels); idempotent."""
@@ -153,6 +158,9 @@ class NGramDrafter:
     def ready(self, seq_id: str) -> bool:
         return True
 
+    def unseen(self, seq_id: str, length: int) -> int:
+        return 0  # it reads the context as it is
+
     def close(self) -> None:
         pass
 
@@ -221,6 +229,9 @@ class ModelDrafter:
     def ready(self, seq_id: str) -> bool:
         s = self.seqs[seq_id]
         return s.cache_len >= len(s.prompt)  # a proposal's catch-up may also have fed the prompt
+
+    def unseen(self, seq_id: str, length: int) -> int:
+        return length - min(self.seqs[seq_id].cache_len, length - 1)  # as _propose feeds them
 
     @torch.inference_mode()
     def prefill(self, budget: int) -> int:
@@ -336,7 +347,7 @@ class ModelDrafter:
         if part.alternatives is not None:
             alts = torch.full((len(rows), width), -1, dtype=torch.long, device=self.model.device)
             alts[idx] = part.alternatives
-        return Proposal(token_ids[:, :width], probs, alts)
+        return Proposal(token_ids[:, :width], probs, alts, part.caught_up)
 
     def _propose(
         self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False
@@ -393,4 +404,5 @@ class ModelDrafter:
             token_ids,
             torch.stack(probs, dim=1) if any_sampled else None,
             torch.stack(alts, dim=1) if alternatives else None,
+            sum(max(0, len(p) - CATCH_UP_TOKENS) for p in pending),
         )

@@ -38,6 +38,7 @@ import torch
 
 from specd.services.common.constants import (
     AUTO_NUM_TOKENS,
+    CATCH_UP_TOKENS,
     DEFAULT_SPECULATION_METHOD,
     MAX_SPECULATIVE_TOKENS,
     METHODS_USING_DRAFT_MODEL,
@@ -488,6 +489,7 @@ class Engine:
                         model_ok,
                         deterministic=deterministic,
                         context=len(seq.tokens),
+                        catch_up=self._catch_up(seq) if model_ok and not deterministic else 0,
                     )
                 )
             else:
@@ -534,7 +536,13 @@ class Engine:
 
         model_ok = self.model_drafter is not None and self.model_drafter.ready(rid)
         choice = self.controller.plan_one(
-            seq.acceptance, seq.req.params.greedy, cap, model_ok, len(seq.tokens), match_len
+            seq.acceptance,
+            seq.req.params.greedy,
+            cap,
+            model_ok,
+            len(seq.tokens),
+            match_len,
+            self._catch_up(seq) if model_ok else 0,
         )
         k = choice.width  # alone, the row's k; model_steps is k when the model drafts, else 0
         if k == 0:
@@ -542,6 +550,10 @@ class Engine:
         if choice.model_steps == 0:
             return [k], ["ngram"], {0: torch.tensor(found[:k], dtype=torch.long)}
         return [k], ["draft"], {}
+
+    def _catch_up(self, seq: _Seq) -> int:
+        """Tokens the draft model would feed the row before guessing, past the usual (RowPlan.catch_up)."""
+        return max(0, self.model_drafter.unseen(seq.req.request_id, len(seq.tokens)) - CATCH_UP_TOKENS)
 
     def _observe(
         self,
@@ -568,10 +580,10 @@ class Engine:
                 continue
             rows.append((seq.acceptance, seq.req.params.greedy, d if proposed > 0 else -1, proposed, emitted - 1))
         self.controller.observe_rows(rows)
-        steps, model_rows, model_seconds = model_work
-        # A proposal that also prefilled (steps = 0: not timed) prices nothing, but its time is
-        # still not verification's.
-        self.controller.observe_costs(len(seqs), width, seconds - model_seconds, steps, model_rows, model_seconds, keys)
+        steps, model_rows, model_seconds, caught_up = model_work
+        self.controller.observe_costs(
+            len(seqs), width, seconds - model_seconds, steps, model_rows, model_seconds, keys, caught_up
+        )
 
     def _propose(
         self,
@@ -580,10 +592,10 @@ class Engine:
         routes: list[str],
         planned: dict[int, torch.Tensor],
         sampling: BatchSampling | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], tuple[int, int, float]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], tuple[int, int, float, int]]:
         """Guesses [B, K] (-1 = none), model-draft probabilities [B, K, V] (None if no model drafted),
         per row who guessed (MODEL: the draft model; NGRAM: point masses; -1: nobody), and the draft
-        model's work (steps, rows, seconds).
+        model's work (steps, rows, seconds, tokens caught up: Proposal.caught_up).
 
         ``routes`` says per row who is asked ("draft", "ngram", "hybrid", "none"); ``planned`` holds
         n-gram guesses already looked up (by the controller's planning).
@@ -637,9 +649,10 @@ class Engine:
                 q[idx_t, :width_model] = model_prop.probs
         model_set = set(model_idx)
         drafted = [MODEL if i in model_set else NGRAM if i in matched else -1 for i in range(B)]
-        # Only rounds spent guessing price the draft (Proposal.timed).
-        steps = max((ks[i] for i in model_idx), default=0) if model_prop is None or model_prop.timed else 0
-        return guesses, q, drafted, (steps, len(model_idx) if steps else 0, model_seconds)
+        if model_prop is None:
+            return guesses, q, drafted, (0, 0, model_seconds, 0)
+        steps = max(ks[i] for i in model_idx)
+        return guesses, q, drafted, (steps, len(model_idx), model_seconds, model_prop.caught_up)
 
     def _draft_row(self, seq: _Seq, k: int, sampled_draft: bool) -> DraftRow:
         greedy = seq.req.params.greedy

@@ -36,7 +36,7 @@ import grpc
 import numpy as np
 import torch
 
-from specd.services.common.constants import BLOCK_SOURCES
+from specd.services.common.constants import BLOCK_SOURCES, CATCH_UP_TOKENS
 from specd.services.common.convert import sampling_to_pb
 from specd.services.common.grpc_server import CHANNEL_OPTIONS
 from specd.services.common.tls import TLSConfig, channel
@@ -51,14 +51,11 @@ log = logging.getLogger(__name__)
 REOPEN = (draft_pb2.DRAFT_ERROR_UNKNOWN_SEQUENCE, draft_pb2.DRAFT_ERROR_OUT_OF_SYNC)  # open it again next round
 NEVER_AGAIN = (draft_pb2.DRAFT_ERROR_CONTEXT_FULL, draft_pb2.DRAFT_ERROR_INVALID_CONTEXT)  # stop asking for it
 LATER = (draft_pb2.DRAFT_ERROR_NO_CAPACITY, draft_pb2.DRAFT_ERROR_DRAINING)  # open it again after a pause
-# A round normally brings the draft one token it has not fed (the bonus or the replaced guess; the
-# accepted guesses are in its cache). More than this many, after rounds it was not asked in, and
-# the draft catches up: a prefill, not the price of a guess.
-CATCH_UP_TOKENS = 2
 
 
 def _unseen(row: draft_pb2.ProposeRow) -> int:
-    """Committed tokens of a round's row that the draft has not fed yet."""
+    """Committed tokens of a round's row that the draft has not fed yet (the accepted guesses are in
+    its cache)."""
     return len(row.new_token_ids) - row.num_accepted
 
 
@@ -359,6 +356,12 @@ class RemoteDrafter:
         # A draft still prefilling answers with an empty block (no guesses that round) instead.
         return not self.seqs[seq_id].full
 
+    def unseen(self, seq_id: str, length: int) -> int:
+        st = self.seqs[seq_id]
+        if seq_id not in st.endpoint.opened:
+            return length  # opened at this ask: the draft prefills the whole context
+        return length - st.known - st.num_accepted  # as _unseen counts the row it would send
+
     def accepted(self, seq_id: str, num_accepted: int) -> None:
         st = self.seqs.get(seq_id)
         if st is not None:
@@ -387,13 +390,14 @@ class RemoteDrafter:
             self._steps_since_ask = 0
         # Send every endpoint its round first, then collect: the drafts work in parallel.
         pending: list[tuple[DraftEndpoint, int, list[int]]] = []
-        timed = True
+        caught_up = 0
         for asks in by_ep.values():
             ep = self.seqs[rows[asks[0][0]].seq_id].endpoint
             round_id = next(self._round_ids)
             msg = self._round_msg(ep, round_id, [(rows[i], k) for i, k in asks])
-            # A sequence sent whole (opened) or with many tokens to catch up makes the draft prefill.
-            timed = timed and not msg.open and all(_unseen(r) <= CATCH_UP_TOKENS for r in msg.rows)
+            # Rows with many tokens to catch up; a sequence opened in the round counts in the
+            # draft's prefilled tokens instead.
+            caught_up += sum(max(0, _unseen(r) - CATCH_UP_TOKENS) for r in msg.rows)
             ep.stream.send(msg)
             pending.append((ep, round_id, [i for i, _ in asks]))
         t0 = time.monotonic()
@@ -405,7 +409,7 @@ class RemoteDrafter:
                 self._failed(ep, "it did not answer")
                 continue
             ep.succeeded()
-            timed = timed and not reply.prefilled_tokens
+            caught_up += reply.prefilled_tokens
             by_id = {rows[i].seq_id: i for i in idx}
             for b in reply.blocks:
                 i = by_id.get(b.sequence_id)
@@ -424,9 +428,9 @@ class RemoteDrafter:
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
-            return Proposal(token_ids[:, :0].to(self.device), None, timed=timed)
+            return Proposal(token_ids[:, :0].to(self.device), None, caught_up=caught_up)
         probs = self._sparse_q(blocks, rows, len(rows), width) if any_sampled else None
-        return Proposal(token_ids[:, :width].to(self.device), probs, timed=timed)
+        return Proposal(token_ids[:, :width].to(self.device), probs, caught_up=caught_up)
 
     def close(self) -> None:
         for e in self.endpoints:

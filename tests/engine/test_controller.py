@@ -23,13 +23,15 @@ from specd.services.engine.controller import (
 )
 
 KMAX = 6
-_NO_EXPLORATION = ControllerConfig(
+_NO_EXPLORATION_KW = dict(
     explore_width=0.0,
     explore_anywhere=0.0,
     explore_anywhere_young=0.0,
     explore_width_alone=0.0,
     explore_anywhere_alone=0.0,
+    explore_start=0.0,
 )
+_NO_EXPLORATION = ControllerConfig(**_NO_EXPLORATION_KW)
 # A GPU at small batch: verification is memory-bound (a guess token costs ~nothing), draft steps cheap.
 MEMORY_BOUND = CostModel(v0=10e-3, v_row=0.05e-3, v_token=0.01e-3, d0=0.1e-3, d_step=0.5e-3, d_step_row=0.0)
 # A CPU (or a GPU at large batch): every verified token costs compute.
@@ -108,14 +110,20 @@ def test_forced_rows_set_a_minimum_width_and_are_kept() -> None:
     assert ch.ks.tolist() == [4, 0, 0] and ch.drafters[0] == MODEL and ch.width == 4 and ch.model_steps == 4
 
 
-def _goodput(acc, match, model_ok, cap, cost, ks, drafters) -> float:
+def _goodput(acc, match, model_ok, cap, cost, ks, drafters, catch_up=None) -> float:
     E = expected_tokens(acc)
     rows = np.arange(len(ks))
     tokens = np.where(drafters >= 0, E[rows, np.maximum(drafters, 0), ks], 1.0).sum()
     width = int(ks.max())
     used = drafters == MODEL
     steps = int(ks[used].max()) if used.any() else 0
-    return tokens / (cost.verify(len(ks), width) + cost.draft(steps, int(used.sum())))
+    caught_up = int(catch_up[used].sum()) if catch_up is not None else 0
+    return tokens / (cost.verify(len(ks), width) + cost.draft(steps, int(used.sum()), caught_up))
+
+
+def _random_cost(rng: np.random.Generator) -> CostModel:
+    v0, v_row, v_token, d0, d_step, d_step_row, d_catch = rng.uniform(0, 1, 7) * np.array([10, 1, 1, 1, 3, 0.5, 0.3]) * 1e-3 + 1e-6
+    return CostModel(v0, v_row, v_token, d0, d_step, d_step_row, d_catch=d_catch)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -126,15 +134,17 @@ def test_properties_on_random_batches(seed: int) -> None:
     match = rng.integers(0, KMAX + 1, B)
     model_ok = rng.random(B) < 0.7
     cap = rng.integers(0, KMAX + 1, B)
-    cost = CostModel(*(rng.uniform(0, 1, 6) * np.array([10, 1, 1, 1, 3, 0.5]) * 1e-3 + 1e-6))
-    ch = choose_blocks(acc, match, model_ok, cap, cost)
+    cost = _random_cost(rng)
+    # Tokens each row would catch up on the draft model (most none, some after rounds sat out).
+    catch_up = np.where(rng.random(B) < 0.3, rng.integers(1, 60, B), 0)
+    ch = choose_blocks(acc, match, model_ok, cap, cost, catch_up=catch_up)
     # Bounds: 0 <= k <= cap; n-gram rows within their match; model rows only where allowed.
     assert ((ch.ks >= 0) & (ch.ks <= cap)).all()
     ng, md = ch.drafters == NGRAM, ch.drafters == MODEL
     assert (ch.ks[ng] <= match[ng]).all() and model_ok[md].all()
     assert ((ch.ks > 0) == (ch.drafters >= 0)).all()
     assert ch.width == (int(ch.ks.max()) if B else 0)
-    got = _goodput(acc, match, model_ok, cap, cost, ch.ks, ch.drafters)
+    got = _goodput(acc, match, model_ok, cap, cost, ch.ks, ch.drafters, catch_up)
     assert got == pytest.approx(ch.goodput, rel=1e-9)
     # No worse than speculation off, nor than any fixed k with the better drafter per row.
     for k in range(KMAX + 1):
@@ -143,9 +153,9 @@ def test_properties_on_random_batches(seed: int) -> None:
             if who == MODEL:
                 ks = np.where(model_ok, ks, 0)
             dr = np.where(ks > 0, who, -1)
-            assert got >= _goodput(acc, match, model_ok, cap, cost, ks, dr) * (1 - 1e-9), (k, who)
+            assert got >= _goodput(acc, match, model_ok, cap, cost, ks, dr, catch_up) * (1 - 1e-9), (k, who)
     # Monotone: higher acceptance everywhere never gives a narrower block.
-    ch_up = choose_blocks(np.sqrt(acc), match, model_ok, cap, cost)
+    ch_up = choose_blocks(np.sqrt(acc), match, model_ok, cap, cost, catch_up=catch_up)
     assert ch_up.width >= ch.width and ch_up.expected_tokens >= ch.expected_tokens - 1e-9
 
 
@@ -175,6 +185,54 @@ def test_controller_learns_acceptance_and_costs_from_rounds() -> None:
         t = 2e-3 + 1e-3 * 64 * (ch.width + 1)
         ctl.observe_costs(64, ch.width, t, ch.model_steps, 64, 1e-3 * ch.model_steps)
     assert ctl.plan(batch, KMAX).width <= 1
+
+
+def test_a_row_far_behind_on_the_draft_model_pays_its_catch_up() -> None:
+    """A row the draft model has not seen for a while must be fed those tokens before it gets a
+    guess: a row whose gain is small stays off the model while a caught-up row with the same
+    acceptance uses it, alone (the plain-Python path) and in a batch; where the gain is large the
+    catch-up is worth paying."""
+    cost = CostModel(v0=5e-3, v_row=0.1e-3, v_token=0.3e-3, d0=0.5e-3, d_step=0.3e-3, d_step_row=0.05e-3, d_catch=0.1e-3)
+    for B in (1, 8):
+        fresh = _choose(0.5, cost, B=B, cap=2)
+        behind = _choose(0.5, cost, B=B, cap=2, catch_up=np.full(B, 60.0))
+        assert (fresh.drafters == MODEL).all() and (fresh.ks > 0).all(), fresh
+        assert (behind.ks == 0).all() and behind.model_steps == 0, behind
+        # Near-certain guesses are worth catching up for.
+        assert (_choose(0.98, cost, B=B, cap=KMAX, catch_up=np.full(B, 5.0)).drafters == MODEL).all()
+    # Half a batch behind, where a wider verify costs little (else the rows behind, verified at
+    # the round's width for nothing, make speculating nowhere the better round): only the
+    # caught-up rows draft.
+    cheap_width = CostModel(v0=5e-3, v_row=0.1e-3, v_token=0.02e-3, d0=0.5e-3, d_step=0.3e-3, d_step_row=0.05e-3, d_catch=0.1e-3)
+    mixed = _choose(0.5, cheap_width, B=8, cap=2, catch_up=np.array([0.0, 60.0] * 4))
+    assert mixed.drafters.tolist() == [MODEL, -1] * 4, mixed
+    assert (_choose(0.5, cheap_width, B=8, cap=2).drafters == MODEL).all()
+
+
+def test_the_controller_spreads_a_catch_up_over_the_rounds_it_pays_for() -> None:
+    """RowPlan.catch_up is priced at 1 / catch_up_rounds a round: a row that sat out a stretch comes
+    back where the rounds ahead repay it, which a one-round price would never allow."""
+    seq = SeqAcceptance(KMAX)
+    for rounds, expected in ((1.0, -1), (8.0, MODEL)):
+        ctl = SpeculationController(ControllerConfig(catch_up_rounds=rounds, **_NO_EXPLORATION_KW))
+        for batch in (1, 2):  # the plain-Python path and the batched one
+            rows = [RowPlan(seq, True, 3, 0, True, context=100, catch_up=40) for _ in range(batch)]
+            assert set(ctl.plan(rows, 3).drafters.tolist()) == {expected}, (rounds, batch)
+
+
+def test_the_cost_fit_learns_the_price_of_catching_up() -> None:
+    """Draft timings with and without catch-up tokens: the fit separates their price from a step's."""
+    ctl = SpeculationController(_NO_EXPLORATION)
+    rng = np.random.default_rng(0)
+    d0, d_step_row, d_catch = 1e-3, 0.1e-3, 0.05e-3
+    for i in range(400):
+        rows, steps = int(rng.integers(1, 32)), int(rng.integers(1, 5))
+        caught_up = int(rng.integers(0, 300)) if i % 3 == 0 else 0
+        draft = d0 + steps * d_step_row * rows + d_catch * caught_up
+        ctl.observe_costs(rows, steps, 5e-3 + 0.2e-3 * rows * (steps + 1), steps, rows, draft, 0, caught_up)
+    cost = ctl.cost_model()
+    assert cost.d_catch == pytest.approx(d_catch, rel=0.15)
+    assert cost.draft(3, 16) == pytest.approx(d0 + 3 * 16 * d_step_row, rel=0.15)
 
 
 def test_a_dropped_drafter_is_tried_again() -> None:
@@ -234,16 +292,17 @@ def test_batch_of_one_fast_path_is_optimal(seed: int) -> None:
     rng = np.random.default_rng(100 + seed)
     acc = rng.uniform(0, 1, (1, 2, KMAX)) ** rng.uniform(0.2, 3)
     match, model_ok, cap = rng.integers(0, KMAX + 1, 1), rng.random(1) < 0.7, rng.integers(0, KMAX + 1, 1)
-    cost = CostModel(*(rng.uniform(0, 1, 6) * np.array([10, 1, 1, 1, 3, 0.5]) * 1e-3 + 1e-6))
-    ch = choose_blocks(acc, match, model_ok, cap, cost)
-    got = _goodput(acc, match, model_ok, cap, cost, ch.ks, ch.drafters)
+    cost = _random_cost(rng)
+    catch_up = rng.integers(0, 30, 1) * (seed % 2)
+    ch = choose_blocks(acc, match, model_ok, cap, cost, catch_up=catch_up)
+    got = _goodput(acc, match, model_ok, cap, cost, ch.ks, ch.drafters, catch_up)
     assert got == pytest.approx(ch.goodput, rel=1e-9) and 0 <= ch.ks[0] <= cap[0]
     for k in range(int(cap[0]) + 1):
         for who in (NGRAM, MODEL):
             if (who == NGRAM and k > match[0]) or (who == MODEL and not model_ok[0]):
                 continue
             dr = np.array([who if k > 0 else -1])
-            assert got >= _goodput(acc, match, model_ok, cap, cost, np.array([k]), dr) * (1 - 1e-9)
+            assert got >= _goodput(acc, match, model_ok, cap, cost, np.array([k]), dr, catch_up) * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from specd.services.common.constants import CATCH_UP_TOKENS
 from specd.services.engine.detokenize import Detokenizer
 from specd.services.engine.drafters import NGramDrafter
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs
@@ -118,6 +119,30 @@ def test_model_drafter_asked_again_without_new_tokens_repeats_its_guesses(micro_
     drafter.accepted("s", 0)
     again = drafter.propose([DraftRow("s", tokens, 4, True)], greedy).token_ids.tolist()
     assert again == first and min(first[0]) >= 0
+
+
+def test_model_drafter_counts_the_tokens_it_catches_up(micro_pair) -> None:
+    """``unseen`` says how many committed tokens the next proposal feeds first (what auto prices a
+    row at, CostModel.d_catch), and a proposal reports those past CATCH_UP_TOKENS (Proposal.caught_up)."""
+    from specd.services.engine.drafters import DraftRow, ModelDrafter
+    from specd.services.engine.model import load_model
+
+    drafter = ModelDrafter(load_model(str(micro_pair[1]), torch.float32, "cpu"), 2, 64)
+    greedy = BatchSampling.from_params([SamplingParams(0.0)], "cpu")
+    tokens = [3, 7, 5, 9, 2]
+    drafter.add("s", tokens)
+    drafter.prefill(16)
+    assert drafter.unseen("s", len(tokens)) == 1  # the prompt's last token, fed by the first proposal
+    prop = drafter.propose([DraftRow("s", tokens, 3, True)], greedy)
+    assert prop.caught_up == 0
+    drafter.accepted("s", 3)  # the whole block passed: the last guess and the bonus are new to it
+    tokens = tokens + prop.token_ids[0].tolist() + [1]
+    assert drafter.unseen("s", len(tokens)) == 2
+    assert drafter.propose([DraftRow("s", tokens, 2, True)], greedy).caught_up == 0
+    drafter.accepted("s", 0)
+    tokens = tokens + [4, 6, 8, 1, 3, 5]  # the replaced guess, then five rounds it sat out
+    assert drafter.unseen("s", len(tokens)) == 6
+    assert drafter.propose([DraftRow("s", tokens, 2, True)], greedy).caught_up == 6 - CATCH_UP_TOKENS
 
 
 def _lookup_by_definition(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
