@@ -591,8 +591,9 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 # the real pair's 0.003%), a draft step 12% (the demo pair on a CPU core is near this; the real
 # pair's draft is dearer, and a GPU's verify at small batch cheaper per token, which the fit learns).
 _VERIFY_SHAPE = (1.0, 0.1, 0.1, 3e-4)  # v0, v_row, v_token, v_key
-# A token caught up costs the draft about a row's step (one more position in its first pass).
-_DRAFT_SHAPE = (0.02, 0.12, 0.03, 0.03)  # d0, d_step, d_step_row, d_catch
+# A token caught up is one more position in a batched first pass: a twelfth of a step (a step
+# reads the draft's weights for one token; the demo and the real draft on this CPU are near 1/15).
+_DRAFT_SHAPE = (0.02, 0.12, 0.03, 0.01)  # d0, d_step, d_step_row, d_catch
 
 
 def _cost(verify: Sequence[float], draft: Sequence[float], by_tokens: Sequence[float] | None = None) -> CostModel:

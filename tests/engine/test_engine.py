@@ -293,3 +293,43 @@ def test_warm_up_runs_each_model_and_leaves_both_caches_empty(tiny_pair) -> None
     assert cache.free_slots == 1 and cache.free_blocks == 8
     cache.allocate()  # no slot left: nothing runs, nothing fails
     assert not warm_up(model, cache, (1, 4)) and len(calls) == 3
+
+
+def test_auto_prices_and_times_a_row_s_catch_up_on_the_draft_model(engine: Engine, monkeypatch) -> None:
+    """A row kept off the draft model for some rounds comes back with the tokens it missed to feed:
+    the plan gets them (RowPlan.catch_up: past the usual CATCH_UP_TOKENS) and the round's timing
+    reports them (observe_costs' caught_up), so the cost model prices them apart from the guesses.
+    The output is still the target's."""
+    from specd.services.common.constants import CATCH_UP_TOKENS
+    from specd.services.engine.controller import solo_choice
+
+    off_rounds = 6
+
+    class OffThenOn(SpeculationController):
+        """k = 0 for the first rounds, then the draft model at k = 2; the rest of the controller real."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.catch_ups: list[int] = []
+            self.caught_up: list[int] = []
+
+        def plan_one(self, seq, greedy, cap, model_ok, context, match_len, catch_up=0):
+            super().plan_one(seq, greedy, cap, model_ok, context, match_len, catch_up)
+            self.catch_ups.append(catch_up)
+            return solo_choice(0 if len(self.catch_ups) <= off_rounds else min(2, cap), MODEL)
+
+        def observe_costs(self, *args, **kwargs):
+            super().observe_costs(*args, **kwargs)
+            self.caught_up.append(args[7])
+
+    ctl = OffThenOn()
+    monkeypatch.setattr(engine, "controller", ctl)
+    ids = _ids(engine, PROMPTS[0])
+    out = engine.generate([Request("a", ids, _greedy(20), SpecConfig("auto", 4))])["a"]
+    base = engine.generate([Request("base", ids, _greedy(20), SpecConfig("none", 0))])["base"].token_ids
+    assert out.token_ids == base
+    # Off: one more unseen token a round (the prompt's last is the usual one); the first round back
+    # pays for them, and the rounds after it catch up nothing.
+    assert ctl.catch_ups[: off_rounds + 1] == [max(0, n - CATCH_UP_TOKENS + 1) for n in range(off_rounds + 1)]
+    assert ctl.caught_up[off_rounds] == ctl.catch_ups[off_rounds] > 0
+    assert ctl.caught_up[:off_rounds] == [0] * off_rounds and set(ctl.caught_up[off_rounds + 1 :]) == {0}
