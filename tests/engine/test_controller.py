@@ -216,7 +216,7 @@ def test_the_controller_spreads_a_catch_up_over_the_rounds_it_pays_for() -> None
     for rounds, expected in ((1.0, -1), (8.0, MODEL)):
         ctl = SpeculationController(ControllerConfig(catch_up_rounds=rounds, **_NO_EXPLORATION_KW))
         for batch in (1, 2):  # the plain-Python path and the batched one
-            rows = [RowPlan(seq, True, 3, 0, True, context=100, catch_up=40) for _ in range(batch)]
+            rows = [RowPlan(seq, True, 3, 0, True, context=100, catch_up=150) for _ in range(batch)]
             assert set(ctl.plan(rows, 3).drafters.tolist()) == {expected}, (rounds, batch)
 
 
