@@ -105,9 +105,16 @@ class ForcedChoiceController(SpeculationController):
         return solo_choice(min(self.k, cap), MODEL)
 
     def plan_one(
-        self, seq: SeqAcceptance, greedy: bool, cap: int, model_ok: bool, context: int, match_len: Callable[[], int]
+        self,
+        seq: SeqAcceptance,
+        greedy: bool,
+        cap: int,
+        model_ok: bool,
+        context: int,
+        match_len: Callable[[], int],
+        catch_up: int = 0,
     ) -> Choice:
-        super().plan_one(seq, greedy, cap, model_ok, context, match_len)
+        super().plan_one(seq, greedy, cap, model_ok, context, match_len, catch_up)
         return self.forced(cap)
 
     def plan(self, rows: list[RowPlan], kmax: int) -> Choice:
@@ -119,7 +126,14 @@ class SkippedController(ForcedChoiceController):
     """Ablation: no planning and no observing, the draft model at ``k`` (batch 1)."""
 
     def plan_one(
-        self, seq: SeqAcceptance, greedy: bool, cap: int, model_ok: bool, context: int, match_len: Callable[[], int]
+        self,
+        seq: SeqAcceptance,
+        greedy: bool,
+        cap: int,
+        model_ok: bool,
+        context: int,
+        match_len: Callable[[], int],
+        catch_up: int = 0,
     ) -> Choice:
         return self.forced(cap)
 
