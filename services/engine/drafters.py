@@ -49,10 +49,16 @@ class Proposal:
     # [B, K] long: per position the draft's best token other than its guess (the likeliest
     # replacement if the target rejects it), when asked for; a draft service prepares for it.
     alternatives: torch.Tensor | None = None
-    # Committed tokens the drafter fed this round beyond each row's usual CATCH_UP_TOKENS: rows
-    # catching up after rounds they sat out, prompts a draft service prefilled inside the round.
-    # auto's cost model prices them apart from the guesses (CostModel.d_catch).
+    # Committed tokens the drafter fed this round beyond each row's usual CATCH_UP_TOKENS (rows
+    # catching up after rounds they sat out): auto's cost model prices them apart from the guesses
+    # (CostModel.d_catch).
     caught_up: int = 0
+    # False when a draft service also had to prefill a prompt in the round (a sequence opened at
+    # its first ask, or not yet prefilled): that round is left out of auto's cost fit. Fitted, the
+    # first such round inflated the fit's level, steps included, and on the real pair auto stopped
+    # asking at batch 1, so sequences stopped being opened at admission, and every ask after that
+    # prefilled a whole context: it never came back (mean k 0.1).
+    timed: bool = True
 
 
 class Drafter(Protocol):

@@ -649,7 +649,7 @@ class Engine:
                 q[idx_t, :width_model] = model_prop.probs
         model_set = set(model_idx)
         drafted = [MODEL if i in model_set else NGRAM if i in matched else -1 for i in range(B)]
-        if model_prop is None:
+        if model_prop is None or not model_prop.timed:  # (Proposal.timed)
             return guesses, q, drafted, (0, 0, model_seconds, 0)
         steps = max(ks[i] for i in model_idx)
         return guesses, q, drafted, (steps, len(model_idx), model_seconds, model_prop.caught_up)

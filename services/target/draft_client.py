@@ -390,14 +390,14 @@ class RemoteDrafter:
             self._steps_since_ask = 0
         # Send every endpoint its round first, then collect: the drafts work in parallel.
         pending: list[tuple[DraftEndpoint, int, list[int]]] = []
-        caught_up = 0
+        caught_up, timed = 0, True
         for asks in by_ep.values():
             ep = self.seqs[rows[asks[0][0]].seq_id].endpoint
             round_id = next(self._round_ids)
             msg = self._round_msg(ep, round_id, [(rows[i], k) for i, k in asks])
-            # Rows with many tokens to catch up; a sequence opened in the round counts in the
-            # draft's prefilled tokens instead.
+            # Rows with many tokens to catch up (an opened sequence makes the draft prefill instead).
             caught_up += sum(max(0, _unseen(r) - CATCH_UP_TOKENS) for r in msg.rows)
+            timed = timed and not msg.open
             ep.stream.send(msg)
             pending.append((ep, round_id, [i for i, _ in asks]))
         t0 = time.monotonic()
@@ -409,7 +409,7 @@ class RemoteDrafter:
                 self._failed(ep, "it did not answer")
                 continue
             ep.succeeded()
-            caught_up += reply.prefilled_tokens
+            timed = timed and not reply.prefilled_tokens
             by_id = {rows[i].seq_id: i for i in idx}
             for b in reply.blocks:
                 i = by_id.get(b.sequence_id)
@@ -428,9 +428,9 @@ class RemoteDrafter:
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
-            return Proposal(token_ids[:, :0].to(self.device), None, caught_up=caught_up)
+            return Proposal(token_ids[:, :0].to(self.device), None, caught_up=caught_up, timed=timed)
         probs = self._sparse_q(blocks, rows, len(rows), width) if any_sampled else None
-        return Proposal(token_ids[:, :width].to(self.device), probs, caught_up=caught_up)
+        return Proposal(token_ids[:, :width].to(self.device), probs, caught_up=caught_up, timed=timed)
 
     def close(self) -> None:
         for e in self.endpoints:

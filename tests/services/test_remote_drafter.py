@@ -237,15 +237,15 @@ def test_remote_drafter_with_per_sequence_k_that_skips_rounds(micro_pair, micro_
 
 
 @pytest.mark.parametrize("opened", ["when admitted, prefilled between rounds", "when admitted", "at the first ask"])
-def test_rounds_that_make_the_draft_prefill_price_the_tokens_it_prefilled(
+def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(
     micro_pair, micro_draft: InProcessDraft, opened: str, monkeypatch
 ) -> None:
     """A sequence is opened on the draft service when the target admits it, and the draft prefills
     it between rounds: its first ask is then a timing of guesses like any other. Where the draft
     had no time between rounds, or the sequence is opened at its first ask (its draft was not up at
-    admission, say), the draft prefills inside that round and says so (DraftBlocks.prefilled_tokens):
-    method auto's cost model gets that round with the tokens caught up, which it prices apart from
-    the guesses (CostModel.d_catch); the rounds after it catch up nothing."""
+    admission, say), the draft prefills inside that round, says so (DraftBlocks.prefilled_tokens),
+    and the round is no timing for method auto's cost model (Proposal.timed says why); the rounds
+    after it are, and catch up nothing."""
     worker = micro_draft.servicer.worker
     engine = _remote_engine(micro_pair, micro_draft.address)
     drafter = engine.model_drafter
@@ -284,14 +284,12 @@ def test_rounds_that_make_the_draft_prefill_price_the_tokens_it_prefilled(
         engine.close()
     assert res["a"].stats.proposed_tokens > 0
     assert opens[0] == 1 and sum(opens) == 1, opens  # opened once: when admitted, or at the first ask
-    assert seen[0][0] > 0 and seen[0][1] == 1, seen  # the first ask is timed
     if opened == "when admitted, prefilled between rounds":
-        assert seen[0][2] == 0, seen
+        assert seen[0][0] > 0 and seen[0][1] == 1, seen  # the first ask is timed
     else:
-        # The round in which the draft prefilled the prompt (all but its last token, which the
-        # first proposal feeds) prices those tokens.
-        assert seen[0][2] == 5, seen
-    assert all(caught_up == 0 for _, _, caught_up in seen[1:]), seen
+        assert seen[0] == (0, 0, 0), seen  # the round in which the draft prefilled the sequence
+        assert any(steps > 0 and rows == 1 for steps, rows, _ in seen[1:]), seen
+    assert all(caught_up == 0 for _, _, caught_up in seen), seen
 
 
 def test_sequences_are_opened_at_admission_only_while_the_draft_is_asked(micro_draft_service) -> None:
@@ -325,8 +323,8 @@ def test_sequences_are_opened_at_admission_only_while_the_draft_is_asked(micro_d
         assert drafter.unseen("late", len(prompt)) == len(prompt)  # what auto prices its first ask at
         prop = drafter.propose([DraftRow("late", prompt, 2, True, None)], None)
         assert opened[-1] == (1, 1)  # opened, with its whole context, by its first ask
-        # The draft prefilled it in that round: all but the last token, which the proposal fed.
-        assert prop.token_ids.shape == (1, 2) and prop.caught_up == len(prompt) - 1
+        # The draft prefilled it in that round: not a timing of its guesses.
+        assert prop.token_ids.shape == (1, 2) and not prop.timed and prop.caught_up == 0
         drafter.accepted("late", 1)
         assert drafter.unseen("late", len(prompt) + 2) == 1  # the usual: the replaced guess
         assert drafter.unseen("late", len(prompt) + 9) == 8  # after rounds it sat out
