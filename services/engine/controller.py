@@ -218,7 +218,8 @@ def choose_blocks(
         steps = np.where(bm > 0, np.maximum(K_ax, forced_steps), 0)
         width = np.maximum(np.maximum(widest_ng, forced_width), steps)
         c = fixed_verify + cost.v_token * B * (width + 1) + cost.extra_array(B * (width + 1))
-        c = c + np.where(steps > 0, cost.d0 + steps * (cost.d_step + cost.d_step_row * bm) + cost.d_catch * caught_up, 0.0)
+        drafting = cost.d0 + steps * (cost.d_step + cost.d_step_row * bm) + cost.d_catch * caught_up
+        c = c + np.where(steps > 0, drafting, 0.0)
         # The round's actual width (not only the n-gram's cap W) must lie in the range: a range
         # asks for that width to be verified (exploration).
         ok = valid & (width >= lo) & (width <= hi) if ranged else valid

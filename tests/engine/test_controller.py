@@ -122,7 +122,8 @@ def _goodput(acc, match, model_ok, cap, cost, ks, drafters, catch_up=None) -> fl
 
 
 def _random_cost(rng: np.random.Generator) -> CostModel:
-    v0, v_row, v_token, d0, d_step, d_step_row, d_catch = rng.uniform(0, 1, 7) * np.array([10, 1, 1, 1, 3, 0.5, 0.3]) * 1e-3 + 1e-6
+    scale = np.array([10, 1, 1, 1, 3, 0.5, 0.3]) * 1e-3
+    v0, v_row, v_token, d0, d_step, d_step_row, d_catch = rng.uniform(0, 1, 7) * scale + 1e-6
     return CostModel(v0, v_row, v_token, d0, d_step, d_step_row, d_catch=d_catch)
 
 
@@ -192,7 +193,8 @@ def test_a_row_far_behind_on_the_draft_model_pays_its_catch_up() -> None:
     guess: a row whose gain is small stays off the model while a caught-up row with the same
     acceptance uses it, alone (the plain-Python path) and in a batch; where the gain is large the
     catch-up is worth paying."""
-    cost = CostModel(v0=5e-3, v_row=0.1e-3, v_token=0.3e-3, d0=0.5e-3, d_step=0.3e-3, d_step_row=0.05e-3, d_catch=0.1e-3)
+    draft = dict(d0=0.5e-3, d_step=0.3e-3, d_step_row=0.05e-3, d_catch=0.1e-3)
+    cost = CostModel(v0=5e-3, v_row=0.1e-3, v_token=0.3e-3, **draft)
     for B in (1, 8):
         fresh = _choose(0.5, cost, B=B, cap=2)
         behind = _choose(0.5, cost, B=B, cap=2, catch_up=np.full(B, 60.0))
@@ -203,7 +205,7 @@ def test_a_row_far_behind_on_the_draft_model_pays_its_catch_up() -> None:
     # Half a batch behind, where a wider verify costs little (else the rows behind, verified at
     # the round's width for nothing, make speculating nowhere the better round): only the
     # caught-up rows draft.
-    cheap_width = CostModel(v0=5e-3, v_row=0.1e-3, v_token=0.02e-3, d0=0.5e-3, d_step=0.3e-3, d_step_row=0.05e-3, d_catch=0.1e-3)
+    cheap_width = CostModel(v0=5e-3, v_row=0.1e-3, v_token=0.02e-3, **draft)
     mixed = _choose(0.5, cheap_width, B=8, cap=2, catch_up=np.array([0.0, 60.0] * 4))
     assert mixed.drafters.tolist() == [MODEL, -1] * 4, mixed
     assert (_choose(0.5, cheap_width, B=8, cap=2).drafters == MODEL).all()
