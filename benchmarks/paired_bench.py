@@ -27,9 +27,10 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,17 +105,10 @@ class ForcedChoiceController(SpeculationController):
         """The draft model at k, within the row's cap."""
         return solo_choice(min(self.k, cap), MODEL)
 
-    def plan_one(
-        self,
-        seq: SeqAcceptance,
-        greedy: bool,
-        cap: int,
-        model_ok: bool,
-        context: int,
-        match_len: Callable[[], int],
-        catch_up: int = 0,
-    ) -> Choice:
-        super().plan_one(seq, greedy, cap, model_ok, context, match_len, catch_up)
+    # The rest of plan_one's arguments pass through as they come: an ablation that spelled them out
+    # broke when the controller took one more (a row's catch-up).
+    def plan_one(self, seq: SeqAcceptance, greedy: bool, cap: int, *rest: Any, **named: Any) -> Choice:
+        super().plan_one(seq, greedy, cap, *rest, **named)
         return self.forced(cap)
 
     def plan(self, rows: list[RowPlan], kmax: int) -> Choice:
@@ -125,16 +119,7 @@ class ForcedChoiceController(SpeculationController):
 class SkippedController(ForcedChoiceController):
     """Ablation: no planning and no observing, the draft model at ``k`` (batch 1)."""
 
-    def plan_one(
-        self,
-        seq: SeqAcceptance,
-        greedy: bool,
-        cap: int,
-        model_ok: bool,
-        context: int,
-        match_len: Callable[[], int],
-        catch_up: int = 0,
-    ) -> Choice:
+    def plan_one(self, seq: SeqAcceptance, greedy: bool, cap: int, *rest: Any, **named: Any) -> Choice:
         return self.forced(cap)
 
     def plan(self, rows: list[RowPlan], kmax: int) -> Choice:
