@@ -258,6 +258,119 @@ def choose_blocks(
     return Choice(ks.astype(int), drafters.astype(int), width, steps, tokens, c)
 
 
+# Up to this many rows the controller decides in plain Python (_choose_few): between forward passes
+# the caches are cold, and choose_blocks' some hundred small numpy calls cost 0.5-0.8 ms a round,
+# a seventh of a 4-row round on the demo pair; past it the vectorised grid is cheaper.
+FEW_ROWS = 8
+
+
+def _choose_few(
+    acceptance: Sequence[Sequence[Sequence[float]]],
+    match_len: Sequence[int],
+    model_ok: Sequence[bool],
+    cap: Sequence[int],
+    cost: CostModel,
+    width_range: tuple[int, int] | None = None,
+    keys: int = 0,
+    catch_up: Sequence[float] | None = None,
+) -> Choice:
+    """:func:`choose_blocks` for a few free rows (none forced), in plain Python: the same grid of
+    (width W, model steps Km), the same per-row choice and Dinkelbach refinement, the same ties (the
+    smallest width, then the fewest steps). ``acceptance`` is ``[B][2][kmax]`` lists."""
+    B = len(acceptance)
+    kmax = len(acceptance[0][MODEL])
+    if catch_up is None:
+        catch_up = [0.0] * B
+    caps = [min(max(int(c), 0), kmax) for c in cap]
+    # Per row and drafter: expected tokens by block size (expected_tokens, as lists).
+    e_ng: list[list[float]] = []  # [B][kmax + 1]
+    e_m: list[list[float]] = []
+    for row in acceptance:
+        for d, out in ((NGRAM, e_ng), (MODEL, e_m)):
+            survive, total, e = 1.0, 0.0, [1.0]
+            for a in row[d]:
+                survive *= min(max(a, 0.0), 1.0)
+                total += survive
+                e.append(1.0 + total)
+            out.append(e)
+    ng_cap = [min(int(m), c) for m, c in zip(match_len, caps)]
+    lo, hi = width_range if width_range is not None else (0, kmax)
+    hi = max(min(hi, kmax), 0)
+    lo = min(max(lo, 0), hi)
+    fixed_verify = cost.v0 + cost.v_row * B + cost.v_key * keys
+    row_catch_up = [cost.d_catch * c for c in catch_up]
+    any_catch_up = any(row_catch_up)
+    per_verified = cost.v_token * B
+    rows = range(B)
+
+    # Per model step count Km: each row's expected tokens with the model (None: it cannot use it).
+    e_model = [
+        [e_m[b][min(caps[b], Km)] if model_ok[b] and min(caps[b], Km) > 0 else None for b in rows]
+        for Km in range(kmax + 1)
+    ]
+    margin = 1 - 1e-9
+
+    def uses_model(W: int, Km: int, rate: float) -> list[bool]:
+        base = [e_ng[b][min(ng_cap[b], W)] for b in rows]
+        step_row = Km * cost.d_step_row
+        em = e_model[Km]
+        return [em[b] is not None and (em[b] - base[b]) * margin > rate * (step_row + row_catch_up[b]) for b in rows]
+
+    def evaluate(rate: float, ranged: bool) -> tuple[float, int, int, int, int, float, float]:
+        """The best (ratio, W, Km, width, steps, tokens, cost) at ``rate``."""
+        best: tuple[float, int, int, int, int, float, float] | None = None
+        for W in range(lo, hi + 1):
+            ng_used = [min(n, W) for n in ng_cap]
+            base = [e_ng[b][ng_used[b]] for b in rows]
+            for Km in range(W + 1):
+                step_row = Km * cost.d_step_row
+                em = e_model[Km]
+                tokens, bm, caught_up, widest_ng = 0.0, 0, 0.0, 0
+                for b in rows:  # summed in row order, as choose_blocks' sum over rows
+                    e = em[b]
+                    if e is not None and (e - base[b]) * margin > rate * (step_row + row_catch_up[b]):
+                        tokens += e
+                        bm += 1
+                        caught_up += catch_up[b]
+                    else:
+                        tokens += base[b]
+                        if ng_used[b] > widest_ng:
+                            widest_ng = ng_used[b]
+                steps = Km if bm > 0 else 0
+                width = widest_ng if widest_ng > steps else steps
+                c = fixed_verify + per_verified * (width + 1) + cost.extra(B * (width + 1))
+                if steps > 0:
+                    c = c + (cost.d0 + steps * (cost.d_step + cost.d_step_row * bm) + cost.d_catch * caught_up)
+                ratio = tokens / c if not ranged or lo <= width <= hi else -np.inf
+                if best is None or ratio > best[0]:  # the first maximum, as argmax
+                    best = (ratio, W, Km, width, steps, tokens, c)
+        assert best is not None
+        return best
+
+    none_cost = cost.verify(B, 0, keys)
+    rate = float(B) / none_cost
+    best, at = evaluate(rate, True), rate
+    ranged = best[0] > -np.inf
+    if not ranged:
+        best = evaluate(rate, False)
+    if cost.d_step_row > 0 or any_catch_up:
+        refined = evaluate(best[0], ranged)
+        if refined[0] > best[0]:
+            best, at = refined, best[0]
+    _, W, Km, width, steps, tokens, c = best
+    use_model = uses_model(W, Km, at)
+    ks, drafters = [], []
+    for b in rows:
+        if use_model[b]:
+            k, d = min(caps[b], Km), MODEL
+        else:
+            k = min(ng_cap[b], W)
+            d = NGRAM if k > 0 else -1
+        ks.append(k)
+        drafters.append(d if k > 0 else -1)
+    return Choice(np.array(ks), np.array(drafters), width, steps, tokens, c)
+
+
 def _choose_one(
     acceptance: Sequence[Sequence[float]],
     match_len: int,
@@ -709,6 +822,9 @@ class SpeculationController:
         """Ks and drafters for this round's rows (kmax: the widest block any row may get)."""
         if len(rows) == 1 and rows[0].forced_k < 0 and not (rows[0].deterministic and self.cfg.pin_seeded):
             return self._plan_one(rows[0], kmax)
+        pinned = self.cfg.pin_seeded
+        if len(rows) <= FEW_ROWS and all(r.forced_k < 0 and not (r.deterministic and pinned) for r in rows):
+            return self._plan_few(rows, kmax)
         forced_k = np.array([r.forced_k for r in rows], dtype=int)
         forced_d = np.array([r.forced_drafter for r in rows], dtype=int)
         # Seeded sampled rows: planned alone, from their own history and fixed priors, so the same
@@ -752,6 +868,28 @@ class SpeculationController:
         if explore is not None:
             lo, hi, bounded = explore
             trial = choose_blocks(*args, width_range=(lo, hi), keys=keys, catch_up=catch_up)
+            choice = self._explored(choice, trial, bounded)
+        self.stats.rounds += 1
+        self.stats.chosen_k = choice.ks.tolist()
+        return choice
+
+    def _plan_few(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
+        """:meth:`plan` for a few free rows (see FEW_ROWS): the same choice, made without arrays."""
+        priors = {g: self.global_acceptance(g) for g in {r.greedy for r in rows}}
+        w = self.cfg.seq_prior_weight
+        acc = [_pulled(r.seq, priors[r.greedy], w, kmax) for r in rows]
+        match = [r.match_len for r in rows]
+        model_ok = [r.model_ok for r in rows]
+        cap = [r.cap for r in rows]
+        cost = self.cost_model()
+        keys = sum(r.context for r in rows)
+        catch_up = [r.catch_up / self.cfg.catch_up_rounds for r in rows]
+        choice = _choose_few(acc, match, model_ok, cap, cost, None, keys, catch_up)
+        can_guess = any(m > 0 or ok for m, ok in zip(match, model_ok))
+        explore = self._exploration_range(choice, can_guess, kmax)
+        if explore is not None:
+            lo, hi, bounded = explore
+            trial = _choose_few(acc, match, model_ok, cap, cost, (lo, hi), keys, catch_up)
             choice = self._explored(choice, trial, bounded)
         self.stats.rounds += 1
         self.stats.chosen_k = choice.ks.tolist()

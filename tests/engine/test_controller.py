@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specd.services.engine import controller as controller_module
 from specd.services.engine.controller import (
     MODEL,
     NGRAM,
@@ -18,6 +19,7 @@ from specd.services.engine.controller import (
     RowPlan,
     SeqAcceptance,
     SpeculationController,
+    _choose_few,
     choose_blocks,
     expected_tokens,
 )
@@ -158,6 +160,80 @@ def test_properties_on_random_batches(seed: int) -> None:
     # Monotone: higher acceptance everywhere never gives a narrower block.
     ch_up = choose_blocks(np.sqrt(acc), match, model_ok, cap, cost, catch_up=catch_up)
     assert ch_up.width >= ch.width and ch_up.expected_tokens >= ch.expected_tokens - 1e-9
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_few_rows_are_chosen_in_plain_python_as_by_the_arrays(seed: int) -> None:
+    """_choose_few (a batch of up to FEW_ROWS free rows, plain Python) makes choose_blocks' decision:
+    the same ks, drafters, width and steps, and the same expected tokens and cost, with width
+    ranges, context, catch-ups and a staircase in the cost."""
+    rng = np.random.default_rng(300 + seed)
+    for case in range(25):
+        B = int(rng.integers(2, controller_module.FEW_ROWS + 1))
+        acc = rng.uniform(0, 1, (B, 2, KMAX)) ** rng.uniform(0.2, 3)
+        match = rng.integers(0, KMAX + 3, B)
+        model_ok = rng.random(B) < 0.7
+        cap = rng.integers(0, KMAX + 1, B)
+        base = _random_cost(rng)
+        steps = list(rng.uniform(-2e-4, 2e-4, int(rng.integers(1, 60)))) if case % 2 else None
+        cost = CostModel(
+            base.v0, base.v_row, base.v_token, base.d0, base.d_step, base.d_step_row * (case % 3 > 0),
+            v_key=float(rng.uniform(0, 1e-6)), d_catch=base.d_catch, by_tokens=steps,
+        )  # fmt: skip
+        catch_up = np.where(rng.random(B) < 0.3, rng.integers(1, 60, B), 0) / 8.0
+        keys = int(rng.integers(0, 3000))
+        width_range = None
+        if case % 3 == 0:
+            w = int(rng.integers(1, KMAX + 1))
+            width_range = (w, w)
+        want = choose_blocks(acc, match, model_ok, cap, cost, width_range=width_range, keys=keys, catch_up=catch_up)
+        got = _choose_few(
+            acc.tolist(), match.tolist(), model_ok.tolist(), cap.tolist(), cost, width_range, keys, catch_up.tolist()
+        )
+        assert (got.ks.tolist(), got.drafters.tolist()) == (want.ks.tolist(), want.drafters.tolist()), case
+        assert (got.width, got.model_steps) == (want.width, want.model_steps)
+        assert got.expected_tokens == pytest.approx(want.expected_tokens, rel=1e-12)
+        assert got.expected_cost == pytest.approx(want.expected_cost, rel=1e-12)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_the_controller_plans_a_few_rows_as_it_plans_many(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan() takes the plain-Python path for a few rows; two controllers with one history, one of
+    them made to take the array path, choose alike round after round (exploration included)."""
+    rng = np.random.default_rng(rows)
+    twins = [SpeculationController(), SpeculationController()]
+    seqs = [[SeqAcceptance(16) for _ in range(rows)] for _ in twins]
+    greedy = [bool(g) for g in rng.random(rows) < 0.5]
+    for rnd in range(120):
+        match = [int(m) for m in rng.integers(0, KMAX + 1, rows)]
+        model_ok = [bool(m) for m in rng.random(rows) < 0.8]
+        catch_up = [int(c) for c in rng.integers(0, 20, rows) * (rng.random(rows) < 0.2)]
+        choices = []
+        for twin, few_rows in ((0, controller_module.FEW_ROWS), (1, 0)):
+            monkeypatch.setattr(controller_module, "FEW_ROWS", few_rows)
+            plans = [
+                RowPlan(seqs[twin][i], greedy[i], KMAX, match[i], model_ok[i], context=200 + rnd, catch_up=catch_up[i])
+                for i in range(rows)
+            ]
+            choices.append(twins[twin].plan(plans, KMAX))
+        a, b = choices
+        assert (a.ks.tolist(), a.drafters.tolist(), a.width, a.model_steps) == (
+            b.ks.tolist(),
+            b.drafters.tolist(),
+            b.width,
+            b.model_steps,
+        ), rnd
+        # Both see the same outcome of the round.
+        passed = [int(min(k, rng.integers(0, KMAX + 1))) for k in a.ks]
+        width_seconds = 4e-3 + rows * (a.width + 1) * rng.uniform(0.3e-3, 0.6e-3)
+        for twin in (0, 1):
+            twins[twin].observe_rows(
+                [(seqs[twin][i], greedy[i], int(a.drafters[i]), int(a.ks[i]), passed[i]) for i in range(rows)]
+            )
+            twins[twin].observe_costs(
+                rows, a.width, width_seconds, a.model_steps, rows, 1e-3 * a.model_steps, 200 + rnd
+            )
+    assert twins[0].stats.explored == twins[1].stats.explored > 0
 
 
 def test_controller_learns_acceptance_and_costs_from_rounds() -> None:
