@@ -668,19 +668,49 @@ class _ShapedFit:
         return self.total > 1e-3 * self.unit
 
     def coef(self) -> list[float]:
-        """The cost per unit of each feature (never negative: a negative slope is noise)."""
+        """The cost per unit of each feature, none negative.
+
+        Non-negative least squares by an active set: a coefficient the fit makes negative is held
+        at 0 and the others are refitted without it. Clamping it alone would shift the whole line:
+        the features are nearly collinear (a round's context moves with its batch, like its fixed
+        cost), and an unconstrained fit trades a large negative cost per cached token against a
+        large fixed cost; clamped, that line sat tens of milliseconds above every round it priced."""
         w, rounds = self.total, self.total / self.unit
-        p = len(self.zty)
-        a = [[self.ztz[max(i, j)][min(i, j)] / w for j in range(p)] for i in range(p)]
+        n = len(self.zty)  # the level's feature, then each feature's own
+        features = n - 1
+        gram = [[self.ztz[max(i, j)][min(i, j)] / w for j in range(n)] for i in range(n)]
+        rhs = [x / w for x in self.zty]
         mean = [x / w for x in self.zsum]
-        for i in range(p):
-            mean_sq = a[i][i] + 1e-12
-            var = max(mean_sq - mean[i] ** 2, 0.0)
-            # The level is free; the deviations are pulled toward 0 by prior_weight rounds' worth
-            # (the system is divided through by the rounds' summed decayed weight).
-            a[i][i] += (1e-9 * mean_sq if i == 0 else self.prior_weight * (var + 1e-3 * mean_sq)) / rounds
-        theta = _solve(a, [x / w for x in self.zty])
-        return [max(theta[0] * s + t, 0.0) for s, t in zip(self.shape, theta[1:])]
+        # The level is free; the deviations are pulled toward 0 by prior_weight rounds' worth
+        # (the system is divided through by the rounds' summed decayed weight).
+        ridge = []
+        for i in range(1, n):
+            mean_sq = gram[i][i] + 1e-12
+            ridge.append(self.prior_weight * (max(mean_sq - mean[i] ** 2, 0.0) + 1e-3 * mean_sq) / rounds)
+        held: list[int] = []
+        while True:
+            free = [j for j in range(features) if j not in held]
+            # The basis: the level's feature less the held features (a held deviation is minus the
+            # level's share, so the coefficient is 0), then each free feature.
+            basis = [[1.0] + [-self.shape[j] if j in held else 0.0 for j in range(features)]]
+            basis += [[1.0 if k == j + 1 else 0.0 for k in range(n)] for j in free]
+            g = [
+                [sum(bi[k] * gram[k][m] * bj[m] for k in range(n) if bi[k] for m in range(n) if bj[m]) for bj in basis]
+                for bi in basis
+            ]
+            r = [sum(bi[k] * rhs[k] for k in range(n) if bi[k]) for bi in basis]
+            g[0][0] += 1e-9 * (g[0][0] + 1e-12) / rounds
+            for row, j in enumerate(free, start=1):
+                g[row][row] += ridge[j]
+            theta = _solve(g, r)
+            deviation = dict(zip(free, theta[1:]))
+            coef = [0.0 if j in held else theta[0] * s + deviation[j] for j, s in enumerate(self.shape)]
+            worst = min(range(features), key=coef.__getitem__)
+            if coef[worst] >= 0.0:
+                return coef
+            held.append(worst)
+            if len(held) == features:
+                return [0.0] * features
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
