@@ -506,9 +506,9 @@ class ControllerConfig:
     # noticeable share of a few-millisecond round.
     refit_every: int = 16
     global_refresh_every: int = 4  # rounds between recomputations of the engine-wide rates
-    # The staircase (CostModel.by_tokens): per count of verified tokens below step_tokens, a mean
-    # of the rounds' deviations from the line, decayed per observation of that count (a count
-    # seen long ago keeps what was seen) and shrunk toward 0 by step_prior_weight rounds.
+    # The staircase (CostModel.by_tokens): per count of verified tokens below step_tokens, the mean
+    # deviation of the rounds from the current line, decayed per observation of that count (a
+    # count seen long ago keeps what was seen) and shrunk toward 0 by step_prior_weight rounds.
     step_tokens: int = 1024
     step_decay: float = 0.95
     step_prior_weight: float = 3.0
@@ -526,6 +526,12 @@ class ControllerConfig:
     explore_width_alone: float = 0.04
     explore_anywhere_alone: float = 0.01
     explore_start: float = 0.02  # per round, with speculation off everywhere: try a width of 1
+    # Per round, at a batch that speculates: a round without guesses, so the fit keeps seeing what
+    # a plain round costs. Never seeing one, it priced a plain round by extending its line down
+    # from the widths it ran, and on a CPU, where a round with guesses also pays for sampling
+    # against the draft's q, that price sat 50-70% above the truth and kept a batch of 4 sampled
+    # rows speculating where plain rounds were faster (measured in the stack).
+    explore_plain: float = 0.03
     # A row's catch-up on the draft model (RowPlan.catch_up) is paid once and serves the rounds it
     # then keeps drafting: priced at this share per round. About the memory of a row's own
     # acceptance (seq_decay): priced in full, a row that sat out a stretch would never come back.
@@ -798,8 +804,11 @@ class SpeculationController:
         self._timings: list[tuple[int, int, int, float, int, int, float, int]] = []
         self._draft_timed = False  # whether any round has timed the draft model
         self._timed_round = 0  # rounds timed so far
-        # Decayed sums of deviations from the line, by verified tokens (lists: see DecayedCounts).
-        self._step_sum = [0.0] * config.step_tokens
+        # By verified tokens, decayed sums of the rounds' seconds and of their verify features
+        # (lists: see DecayedCounts). The line is linear, so a count's mean deviation from whatever
+        # line the last refit drew is these sums' (see _fit_cost).
+        self._step_y = [0.0] * config.step_tokens
+        self._step_x = [[0.0] * 4 for _ in range(config.step_tokens)]
         self._step_n = [0.0] * config.step_tokens
         self._step_top = 0  # one past the most tokens a timed round has verified
 
@@ -841,9 +850,15 @@ class SpeculationController:
         # verify cost at the measured level.
         level = v[0] / _VERIFY_SHAPE[0]
         d = self.draft_fit.coef() if self.draft_fit.fitted else [x * level for x in _DRAFT_SHAPE]
-        # The staircase up to the most tokens verified yet (0 past it, as for a count never seen).
+        # The staircase up to the most tokens verified yet (0 past it, as for a count never seen):
+        # each count's mean deviation from this line. Deviations kept from the line of their day
+        # went stale at every refit, and a refit that moved the line by a few milliseconds left
+        # the price of a width the batch rarely runs (a plain round, say) off by as much.
         top, w = self._step_top, self.cfg.step_prior_weight
-        steps = [s / (n + w) for s, n in zip(self._step_sum[:top], self._step_n[:top])]
+        steps = [
+            (y - v[0] * x[0] - v[1] * x[1] - v[2] * x[2] - v[3] * x[3]) / (n + w) if n else 0.0
+            for y, x, n in zip(self._step_y[:top], self._step_x[:top], self._step_n[:top])
+        ]
         return _cost(v, d, steps)
 
     # ------------------------------------------------------------------------- planning
@@ -999,6 +1014,10 @@ class SpeculationController:
         cfg = self.cfg
         young = self._timed_round < cfg.young_rounds
         alone = len(choice.ks) == 1
+        if not alone:
+            if u < cfg.explore_plain:
+                return (0, 0, False)
+            u = (u - cfg.explore_plain) / (1.0 - cfg.explore_plain)
         if young:
             anywhere, width = cfg.explore_anywhere_young, cfg.explore_width
         else:
@@ -1077,12 +1096,16 @@ class SpeculationController:
             y = min(verify_seconds, limit)
             self.verify_fit.decay(cfg.cost_decay)
             self.draft_fit.decay(cfg.cost_decay)
-            self.verify_fit.add((1.0, rows, rows * (width + 1.0), float(keys)), y)
+            features = (1.0, rows, rows * (width + 1.0), float(keys))
+            self.verify_fit.add(features, y)
             tokens = rows * (width + 1)
             if timed_verify and tokens < cfg.step_tokens:
-                deviation = y - (predicted - c.extra(tokens))  # from the line
-                self._step_sum[tokens] = self._step_sum[tokens] * cfg.step_decay + deviation
-                self._step_n[tokens] = self._step_n[tokens] * cfg.step_decay + 1.0
+                decay = cfg.step_decay
+                self._step_y[tokens] = self._step_y[tokens] * decay + y
+                sums = self._step_x[tokens]
+                for j, f in enumerate(features):
+                    sums[j] = sums[j] * decay + f
+                self._step_n[tokens] = self._step_n[tokens] * decay + 1.0
                 self._step_top = max(self._step_top, tokens + 1)
             if model_steps > 0:
                 # The first timing (a draft service's time-out, say) is checked against the prior.

@@ -32,6 +32,7 @@ _NO_EXPLORATION_KW = dict(
     explore_width_alone=0.0,
     explore_anywhere_alone=0.0,
     explore_start=0.0,
+    explore_plain=0.0,
 )
 _NO_EXPLORATION = ControllerConfig(**_NO_EXPLORATION_KW)
 # A GPU at small batch: verification is memory-bound (a guess token costs ~nothing), draft steps cheap.
@@ -500,18 +501,42 @@ def test_a_batch_of_one_explores_less_once_past_its_young_rounds() -> None:
     assert 0 < grown < 2 * (cfg.explore_width_alone + cfg.explore_anywhere_alone) < young, (young, grown)
 
 
-@pytest.mark.parametrize("learn_steps", [True, False])
-def test_a_staircase_verify_cost_is_learned(learn_steps: bool) -> None:
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_speculating_batch_now_and_then_runs_a_plain_round(rows: int) -> None:
+    """explore_plain: a batch whose every guess passes chooses to speculate every round, yet about
+    3% of its rounds run without guesses, so its fit keeps seeing what a plain round costs instead
+    of extending its line down to it. A batch of one is left as it was (criterion 2 of issue 12
+    measures it; a plain round in 33 would cost it about 1.5% at k = 3)."""
+    ctl = SpeculationController()
+    seqs = [SeqAcceptance(16) for _ in range(rows)]
+    plain = 0
+    for r in range(2100):
+        ch = ctl.plan([RowPlan(s, True, KMAX, 0, True) for s in seqs], KMAX)
+        plain += r >= 100 and ch.width == 0
+        ctl.observe_rows([(s, True, MODEL if k else -1, k, k) for s, k in zip(seqs, ch.ks.tolist())])
+        seconds = 10e-3 + 0.05e-3 * rows * (ch.width + 1)  # memory-bound: guesses are nearly free
+        ctl.observe_costs(
+            rows, ch.width, seconds, ch.model_steps, rows if ch.model_steps else 0, 0.3e-3 * ch.model_steps
+        )
+    if rows == 1:
+        assert plain == 0
+    else:
+        assert 30 <= plain <= 100, plain  # 3% of 2000
+
+
+@pytest.mark.parametrize("learn_steps, seed", [(True, 0), (True, 1), (True, 7), (False, 0)])
+def test_a_staircase_verify_cost_is_learned(learn_steps: bool, seed: int) -> None:
     """A kernel that takes 3 rows per pass: 1-3 verified tokens cost one pass, 4-6 two, 7 three.
     Every guess passes here, so the best block is k = 5 (6 tokens for two passes, the top of the
     second step; k = 6 pays a third pass for one token more); a line fitted through the same
-    timings cannot see that, the staircase table can."""
+    timings cannot see that, the staircase table can. (Seeds 1 and 7 of the exploration settled
+    on k = 6 while the table kept deviations from the line of their day.)"""
     from specd.services.engine.controller import ControllerConfig
 
     def seconds(width: int) -> float:
         return 6e-3 + 2e-3 * -(-(width + 1) // 3)
 
-    cfg = ControllerConfig(step_prior_weight=3.0 if learn_steps else 1e12)
+    cfg = ControllerConfig(step_prior_weight=3.0 if learn_steps else 1e12, seed=seed)
     ctl = SpeculationController(cfg)
     seq = SeqAcceptance(16)
     rows = [RowPlan(seq, True, KMAX, 0, True)]
@@ -536,7 +561,7 @@ def test_a_verify_cost_that_grows_with_the_context_is_not_blamed_on_the_width(pr
     at a short context (the round is cheap, a token of width is dear beside it) and 2 at a long one.
     Fed each round's context, the fit finds the per-token and per-key costs and the choice follows
     the optimum; blind to it (the old cost model), the growth lands on the line and the short
-    context gets the long one's block."""
+    context gets a wider block than its best."""
     B, acc_p = 32, 0.6
     true = CostModel(v0=3e-3, v_row=0.0, v_token=0.3e-3, v_key=4e-6)
     rng = np.random.default_rng(0)
@@ -574,7 +599,7 @@ def test_a_verify_cost_that_grows_with_the_context_is_not_blamed_on_the_width(pr
         assert abs(fit.v_key / true.v_key - 1) < 0.25 and abs(fit.v_token / true.v_token - 1) < 0.25, fit
         assert (short, long) == (1, 2), (np.bincount(widths[310:340]), np.bincount(widths[560:600]))
     else:
-        assert short == 2, np.bincount(widths[310:340])
+        assert short > 1, np.bincount(widths[310:340])
 
 
 @pytest.mark.parametrize("bounded", [True, False])
