@@ -865,16 +865,17 @@ class SpeculationController:
 
     def plan(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
         """Ks and drafters for this round's rows (kmax: the widest block any row may get)."""
-        if len(rows) == 1 and rows[0].forced_k < 0 and not (rows[0].deterministic and self.cfg.pin_seeded):
-            return self._plan_one(rows[0], kmax)
         pinned = self.cfg.pin_seeded
-        if len(rows) <= FEW_ROWS and all(r.forced_k < 0 and not (r.deterministic and pinned) for r in rows):
-            return self._plan_few(rows, kmax)
+        if all(r.forced_k < 0 and not (r.deterministic and pinned) for r in rows):  # every row is free
+            if len(rows) == 1:
+                return self._plan_one(rows[0], kmax)
+            if len(rows) <= FEW_ROWS:
+                return self._plan_few(rows, kmax)
         forced_k = np.array([r.forced_k for r in rows], dtype=int)
         forced_d = np.array([r.forced_drafter for r in rows], dtype=int)
         # Seeded sampled rows: planned alone, from their own history and fixed priors, so the same
         # request draws the same random numbers whatever shares its batch and however fast it runs.
-        solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0 and self.cfg.pin_seeded]
+        solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0 and pinned]
         if solo:
             w, a0 = self.cfg.seq_prior_weight, self.cfg.prior_acceptance
             seqs = [rows[i].seq for i in solo]
@@ -908,15 +909,12 @@ class SpeculationController:
             self.stats.rounds += 1
             self.stats.chosen_k = choice.ks.tolist()
             return choice
-        choice = choose_blocks(*args, keys=keys, catch_up=catch_up)
-        explore = self._exploration_range(choice, bool(((args[1] > 0) | args[2]).any()), kmax)
-        if explore is not None:
-            lo, hi, bounded = explore
-            trial = choose_blocks(*args, width_range=(lo, hi), keys=keys, catch_up=catch_up)
-            choice = self._explored(choice, trial, bounded)
-        self.stats.rounds += 1
-        self.stats.chosen_k = choice.ks.tolist()
-        return choice
+        return self._explore_and_count(
+            choose_blocks(*args, keys=keys, catch_up=catch_up),
+            bool(((args[1] > 0) | args[2]).any()),
+            kmax,
+            lambda width_range: choose_blocks(*args, width_range=width_range, keys=keys, catch_up=catch_up),
+        )
 
     def _plan_few(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
         """:meth:`plan` for a few free rows (see FEW_ROWS): the same choice, made without arrays."""
@@ -929,13 +927,22 @@ class SpeculationController:
         cost = self.cost_model()
         keys = sum(r.context for r in rows)
         catch_up = [r.catch_up / self.cfg.catch_up_rounds for r in rows]
-        choice = _choose_few(acc, match, model_ok, cap, cost, None, keys, catch_up)
-        can_guess = any(m > 0 or ok for m, ok in zip(match, model_ok))
+        return self._explore_and_count(
+            _choose_few(acc, match, model_ok, cap, cost, None, keys, catch_up),
+            any(m > 0 or ok for m, ok in zip(match, model_ok)),
+            kmax,
+            lambda width_range: _choose_few(acc, match, model_ok, cap, cost, width_range, keys, catch_up),
+        )
+
+    def _explore_and_count(
+        self, choice: Choice, can_guess: bool, kmax: int, choose_within: Callable[[tuple[int, int]], Choice]
+    ) -> Choice:
+        """A batch's round: ``choice``, or now and then the choice within an exploration range
+        (``choose_within``); counted in the stats."""
         explore = self._exploration_range(choice, can_guess, kmax)
         if explore is not None:
             lo, hi, bounded = explore
-            trial = _choose_few(acc, match, model_ok, cap, cost, (lo, hi), keys, catch_up)
-            choice = self._explored(choice, trial, bounded)
+            choice = self._explored(choice, choose_within((lo, hi)), bounded)
         self.stats.rounds += 1
         self.stats.chosen_k = choice.ks.tolist()
         return choice
