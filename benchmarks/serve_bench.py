@@ -12,9 +12,10 @@ In one run, interleaved:
   row from the measured timings.
 - **in-process**: the same code prompts through the :class:`Engine` in this process, batch 1,
   greedy, in every mode, once per pass, right after that pass's concurrency-1 greedy code runs (the
-  stack is idle meanwhile). Within a cell the modes run in turn, in reverse order every other pass, so
-  a drift over the cell's minutes favours no mode. Interleaving matters: this machine drifts by several percent over
-  minutes, and a ratio of two speed-ups measured minutes apart inherits that drift.
+  stack is idle meanwhile). Within a cell the modes run in turn, ``none`` and ``auto`` back to back,
+  in reverse order every other pass, so a drift over the cell's minutes favours no mode.
+  Interleaving matters: this machine drifts by several percent over minutes, and a ratio of two
+  speed-ups measured minutes apart inherits that drift.
 
 The stack is started here, process by process (the commands of ``specd serve``, with the target's
 ``--max-batch-size``), so a batch can hold every concurrent stream.
@@ -33,8 +34,10 @@ tokens/s (the median over passes of each pass's aggregate tokens/s, with every p
 it: one pass disturbed by anything else on the machine moves a median of three little, a total a
 lot), the speed-up over ``none``, acceptance and the mean k; per (workload,
 temperature, concurrency) how ``auto`` compares with the best of ``none`` and every fixed k (the
-issue's criterion: >= 0.95x the best, >= 0.97x none); and at concurrency 1 the stack's overhead
-against the in-process engine.
+issue's criterion: >= 0.95x the best, >= 0.97x none), also pass by pass: the median of the passes'
+ratios with a 95% bootstrap interval, judged against each bar as *met* (the interval above it),
+*within noise* (the interval reaches it) or *not met* (the interval below it); and at concurrency
+1 the stack's overhead against the in-process engine.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from pathlib import Path
 import httpx
 
 from specd.benchmarks.engine_bench import CODE_PROMPTS, PROSE_QUESTIONS
+from specd.benchmarks.paired_bench import paired_interval
 from specd.services.common.affinity import CorePlan
 from specd.services.common.constants import DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.common.ports import free_ports
@@ -106,6 +110,16 @@ class ServeBenchConfig:
         fixed = tuple(("draft", k) for k in self.ks)
         return (("none", 0), *fixed, *((("auto", max(self.ks)),) if self.auto else ()))
 
+    def pass_order(self, rep: int) -> tuple[Mode, ...]:
+        """The modes of pass ``rep`` in the order they run: ``none`` and ``auto`` back to back (the
+        criterion compares them, and this machine drifts by several percent over the minutes a
+        pass of every mode takes), then each fixed k; reversed every other pass so a steady drift
+        favours no mode."""
+        none, *rest = self.modes
+        auto, fixed = (rest[-1:], rest[:-1]) if self.auto else ([], rest)
+        order = (none, *auto, *fixed)
+        return order if rep % 2 == 0 else order[::-1]
+
     @property
     def batch_size(self) -> int:
         return self.max_batch_size or max(16, *self.concurrencies)
@@ -120,6 +134,26 @@ def _mode(mode: Mode) -> str:
 def _paired(a: LoadResult, b: LoadResult) -> list[float]:
     """Each pass's tokens/s of ``a`` over the same pass's of ``b``."""
     return [round(x / y, 3) for x, y in zip(a.pass_rates, b.pass_rates)]
+
+
+# The issue's bars for auto: against the best of none and every fixed k, and against none.
+BAR_VS_BEST = 0.95
+BAR_VS_NONE = 0.97
+BOOTSTRAP_DRAWS = 2000
+
+
+def judged(ratios: list[float], bar: float, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict:
+    """Paired per-pass ratios against a bar: their median, a 95% bootstrap interval of it, and
+    ``met`` (the interval lies above the bar), ``within noise`` (it reaches the bar) or ``not met``
+    (it lies below). With few passes the interval is about their range."""
+    med, low, high = paired_interval(ratios, draws, seed)
+    verdict = "met" if low >= bar else "not met" if high < bar else "within noise"
+    return {"median": round(med, 3), "low": round(low, 3), "high": round(high, 3), "bar": bar, "verdict": verdict}
+
+
+def _judged_cell(j: dict | None) -> str:
+    """A verdict for a table cell (older result files have none)."""
+    return f"{j['median']:.3f} ({j['low']:.3f}-{j['high']:.3f}) {j['verdict']}" if j else ""
 
 
 def _ratios(values: list[float] | None) -> str:
@@ -428,7 +462,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                     # are compared are then measured within a minute of each other.
                     order = sorted(concurrencies, key=lambda c: c != 1)
                     for n, c in enumerate(order):
-                        for mode in cfg.modes if rep % 2 == 0 else cfg.modes[::-1]:
+                        for mode in cfg.pass_order(rep):
                             for ahead, stack in stacks.items():
                                 if mode == cfg.modes[0] and ahead != first_way:
                                     continue
@@ -542,6 +576,8 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                             # stretch of the machine moves both sides of each ratio.
                             "auto_vs_best_per_pass": _paired(auto_r, runs[best]),
                             "auto_vs_none_per_pass": _paired(auto_r, base),
+                            "auto_vs_best_judged": judged(_paired(auto_r, runs[best]), BAR_VS_BEST),
+                            "auto_vs_none_judged": judged(_paired(auto_r, base), BAR_VS_NONE),
                             "fixed_k_losing_to_none": [
                                 m for m, v in others.items() if m != "none" and v < others["none"]
                             ],
@@ -647,16 +683,19 @@ def render(doc: dict) -> str:
     if doc.get("auto_vs_others"):
         lines += [
             "",
-            "| workload | T | concurrency | best of none / fixed k | auto / best | per pass | auto / none "
-            "| per pass | fixed k slower than none |" + extra_head,
-            "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else ""),
+            "| workload | T | concurrency | best of none / fixed k | auto / best | per pass "
+            f"| paired, >= {BAR_VS_BEST} | auto / none | per pass | paired, >= {BAR_VS_NONE} "
+            "| fixed k slower than none |" + extra_head,
+            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else ""),
         ]
         for v in doc["auto_vs_others"]:
             extra = f" {v['layout']} | {_way(v['draft_ahead'])} |" if several else ""
             lines.append(
                 f"| {v['workload']} | {v['temperature']:g} | {v['concurrency']} | {v['best_other']} | "
                 f"**{v['auto_vs_best']:.2f}x** | {_ratios(v.get('auto_vs_best_per_pass'))} | "
+                f"{_judged_cell(v.get('auto_vs_best_judged'))} | "
                 f"{v['auto_vs_none']:.2f}x | {_ratios(v.get('auto_vs_none_per_pass'))} | "
+                f"{_judged_cell(v.get('auto_vs_none_judged'))} | "
                 f"{', '.join(v['fixed_k_losing_to_none']) or '-'} |" + extra
             )
     c1 = doc["concurrency_1"]

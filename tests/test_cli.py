@@ -143,6 +143,33 @@ def test_serve_bench_reports_the_median_pass_so_one_disturbed_pass_moves_it_litt
     assert total.tokens_per_second == 640 / 2.1  # the aggregate would be 1920 / 14.1 = 136
 
 
+def test_serve_bench_runs_none_and_auto_back_to_back_in_every_pass() -> None:
+    """The criterion's ratio is auto over none: the two run next to each other in every pass, and
+    every mode runs once per pass, in reverse order every other pass."""
+    from specd.benchmarks.serve_bench import ServeBenchConfig
+
+    cfg = ServeBenchConfig(target="t", draft="d", ks=(1, 2, 3))
+    first, second = cfg.pass_order(0), cfg.pass_order(1)
+    assert first == (("none", 0), ("auto", 3), ("draft", 1), ("draft", 2), ("draft", 3))
+    assert second == first[::-1] and cfg.pass_order(2) == first
+    assert sorted(first) == sorted(cfg.modes)
+    plain = ServeBenchConfig(target="t", draft="d", ks=(2, 4), auto=False)
+    assert plain.pass_order(0) == (("none", 0), ("draft", 2), ("draft", 4)) == plain.modes
+
+
+def test_serve_bench_judges_each_bar_from_the_paired_passes() -> None:
+    """met: the interval of the median paired ratio lies above the bar; within noise: it reaches
+    the bar; not met: it lies below."""
+    from specd.benchmarks.serve_bench import judged
+
+    assert judged([1.02, 0.99, 1.05, 1.01, 0.98, 1.03], 0.97)["verdict"] == "met"
+    assert judged([0.90, 0.93, 0.92, 0.91, 0.94, 0.92], 0.97)["verdict"] == "not met"
+    noisy = judged([0.85, 1.10, 0.92, 1.04, 0.96, 1.01], 0.97)
+    assert noisy["verdict"] == "within noise" and noisy["low"] < 0.97 <= noisy["high"]
+    one = judged([0.96], 0.95)  # one pass: the interval is that pass
+    assert (one["median"], one["low"], one["high"], one["verdict"]) == (0.96, 0.96, 0.96, "met")
+
+
 def test_serve_bench_runs_enough_requests_per_cell_for_every_stream() -> None:
     from specd.benchmarks.serve_bench import ServeBenchConfig, requests_per_stream
 
@@ -183,6 +210,8 @@ def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> Non
     assert [v["concurrency"] for v in verdicts] == [1, 4] and all(v["auto_vs_best"] > 0 for v in verdicts)
     for v in verdicts:  # one pass: its paired ratio is the cell's
         assert v["auto_vs_best_per_pass"] == [v["auto_vs_best"]] and v["auto_vs_none_per_pass"] == [v["auto_vs_none"]]
+        assert v["auto_vs_none_judged"]["median"] == v["auto_vs_none"] and v["auto_vs_none_judged"]["bar"] == 0.97
+        assert v["auto_vs_best_judged"]["verdict"] == ("met" if v["auto_vs_best"] >= 0.95 else "not met")
     assert "| code | 0 | 1 | draft k=3 |" in res.stdout and "auto / best" in res.stdout
     assert (tmp_path / "serve_bench.png").stat().st_size > 10_000
 
