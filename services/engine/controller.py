@@ -532,6 +532,22 @@ class ControllerConfig:
     # against the draft's q, that price sat 50-70% above the truth and kept a batch of 4 sampled
     # rows speculating where plain rounds were faster (measured in the stack).
     explore_plain: float = 0.03
+    # At a batch of more than one, a round with guesses must promise this much more goodput than a
+    # plain round. Measured in the stack (4 sampled streams, demo pair), rounds the model expected
+    # to gain about 20% over a plain round gained nothing (their tokens expected 12% too high and
+    # their time 10% too low: choosing by noisy estimates favours the ones that err upward), and a
+    # round with guesses also costs the draft service CPU beside the target that its own timing
+    # does not show. Not more: at 10%, 20 greedy rows in fp32 never started speculating (a young
+    # cost model promised less than that) and ran at 0.82-0.92 of the speed with it. A batch of
+    # one is left as it was (its choices were measured on par with the best fixed k).
+    batch_margin: float = 0.05
+    # At a batch of more than one, after a plan that speculates nowhere (not an exploration), this
+    # many rounds run plain without planning (SpeculationController.dormant), and the probe of a
+    # width of 1 (explore_start) comes only at the rounds that plan. Measured on the demo pair, 4
+    # sampled rows: planning and observing made a round with speculation off 4% slower than "none"
+    # in-process, and in the stack a probe cost about four plain rounds (the draft catches the rows
+    # up first), 4-10% of the time at 2% of the rounds.
+    dormant_rounds: int = 8
     # A row's catch-up on the draft model (RowPlan.catch_up) is paid once and serves the rounds it
     # then keeps drafting: priced at this share per round. About the memory of a row's own
     # acceptance (seq_decay): priced in full, a row that sat out a stretch would never come back.
@@ -804,6 +820,7 @@ class SpeculationController:
         self._timings: list[tuple[int, int, int, float, int, int, float, int]] = []
         self._draft_timed = False  # whether any round has timed the draft model
         self._timed_round = 0  # rounds timed so far
+        self._dormant = 0  # rounds left to run plain without planning (see dormant())
         # By verified tokens, decayed sums of the rounds' seconds and of their verify features
         # (lists: see DecayedCounts). The line is linear, so a count's mean deviation from whatever
         # line the last refit drew is these sums' (see _fit_cost).
@@ -914,6 +931,7 @@ class SpeculationController:
             bool(((args[1] > 0) | args[2]).any()),
             kmax,
             lambda width_range: choose_blocks(*args, width_range=width_range, keys=keys, catch_up=catch_up),
+            free=bool((forced_k < 0).all()),
         )
 
     def _plan_few(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
@@ -932,17 +950,33 @@ class SpeculationController:
             any(m > 0 or ok for m, ok in zip(match, model_ok)),
             kmax,
             lambda width_range: _choose_few(acc, match, model_ok, cap, cost, width_range, keys, catch_up),
+            free=True,
         )
 
     def _explore_and_count(
-        self, choice: Choice, can_guess: bool, kmax: int, choose_within: Callable[[tuple[int, int]], Choice]
+        self,
+        choice: Choice,
+        can_guess: bool,
+        kmax: int,
+        choose_within: Callable[[tuple[int, int]], Choice],
+        free: bool,
     ) -> Choice:
-        """A batch's round: ``choice``, or now and then the choice within an exploration range
-        (``choose_within``); counted in the stats."""
+        """A batch's round: ``choice`` (a plain round where guesses do not promise ``batch_margin``
+        more goodput and every row is ``free`` to go without), or now and then the choice within an
+        exploration range (``choose_within``); counted in the stats."""
+        cfg = self.cfg
+        batch = free and len(choice.ks) > 1  # a batch of free rows: the margin and dormancy apply
+        if batch and cfg.batch_margin > 0 and choice.width > 0:
+            plain = choose_within((0, 0))
+            if choice.goodput < (1.0 + cfg.batch_margin) * plain.goodput:
+                choice = plain
+        dormancy = cfg.dormant_rounds if batch else 0
         explore = self._exploration_range(choice, can_guess, kmax)
         if explore is not None:
             lo, hi, bounded = explore
             choice = self._explored(choice, choose_within((lo, hi)), bounded)
+        elif choice.width == 0:
+            self._dormant = dormancy
         self.stats.rounds += 1
         self.stats.chosen_k = choice.ks.tolist()
         return choice
@@ -1005,6 +1039,15 @@ class SpeculationController:
             return best
         self.stats.explored += 1
         return trial
+
+    def dormant(self) -> bool:
+        """Whether this round of a batch of more than one runs plain without a plan: for
+        ``dormant_rounds`` rounds after a plan that chose speculation off everywhere. Rows whose
+        plan must not depend on their batch (seeded sampled ones) are the caller's to exclude."""
+        if self._dormant > 0:
+            self._dormant -= 1
+            return True
+        return False
 
     def _exploration_range(self, choice: Choice, can_guess: bool, kmax: int) -> tuple[int, int, bool] | None:
         """Now and then verify a width off the optimum, so the cost fit sees how verify time grows

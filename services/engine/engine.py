@@ -317,6 +317,11 @@ class Engine:
         sampling = BatchSampling.from_params([s.req.params for s in seqs], self.device) if sampled else None
         routes = [s.req.spec.method for s in seqs]  # per row: who guesses this round
         planned = any(r == "auto" for r in routes) and max(ks) > 0
+        if planned and len(seqs) > 1 and self._may_rest(seqs, routes) and self.controller.dormant():
+            # Speculation was off everywhere a moment ago: a plain round for the "auto" rows, unplanned.
+            ks = [0 if r == "auto" else k for r, k in zip(routes, ks)]
+            routes = ["none" if r == "auto" else r for r in routes]
+            planned = False
         matched: dict[int, torch.Tensor] = {}
         if planned:
             ks, routes, matched = self._plan(seqs, ks, routes)
@@ -344,6 +349,14 @@ class Engine:
         if any(s.decoding for s in self.running.values()):
             self._decoding_since = time.perf_counter()
         return outputs
+
+    @staticmethod
+    def _may_rest(seqs: list[_Seq], routes: list[str]) -> bool:
+        """Whether the "auto" rows may skip a plan: not when one is a seeded sampled request (its
+        plan comes from its own history alone, whatever shares the batch)."""
+        return not any(
+            r == "auto" and not s.req.params.greedy and s.req.params.seed is not None for s, r in zip(seqs, routes)
+        )
 
     def _evict_aborted(self) -> list[StepOutput]:
         outs = []

@@ -293,7 +293,8 @@ def test_the_controller_spreads_a_catch_up_over_the_rounds_it_pays_for() -> None
     back where the rounds ahead repay it, which a one-round price would never allow."""
     seq = SeqAcceptance(KMAX)
     for rounds, expected in ((1.0, -1), (8.0, MODEL)):
-        ctl = SpeculationController(ControllerConfig(catch_up_rounds=rounds, **_NO_EXPLORATION_KW))
+        # No margin: the batch of 2 shows the price itself.
+        ctl = SpeculationController(ControllerConfig(catch_up_rounds=rounds, batch_margin=0.0, **_NO_EXPLORATION_KW))
         for batch in (1, 2):  # the plain-Python path and the batched one
             rows = [RowPlan(seq, True, 3, 0, True, context=100, catch_up=150) for _ in range(batch)]
             assert set(ctl.plan(rows, 3).drafters.tolist()) == {expected}, (rounds, batch)
@@ -566,7 +567,7 @@ def test_a_verify_cost_that_grows_with_the_context_is_not_blamed_on_the_width(pr
     B, acc_p = 32, 0.6
     true = CostModel(v0=3e-3, v_row=0.0, v_token=0.3e-3, v_key=4e-6)
     rng = np.random.default_rng(0)
-    ctl = SpeculationController()
+    ctl = SpeculationController(ControllerConfig(batch_margin=0.0))  # the choice follows the optimum itself
     seqs = [SeqAcceptance(16) for _ in range(B)]
     widths = []
     for r in range(600):
@@ -635,3 +636,53 @@ def test_exploration_at_a_large_batch_never_tries_a_width_far_from_paying(bounde
         assert late[5:].sum() == 0, late
     else:
         assert late[5:].sum() > 0, late
+
+
+@pytest.mark.parametrize(("rows", "low_rate"), [(1, 0.2), (2, 0.2), (4, 0.25), (12, 0.3)])
+def test_a_batch_speculates_only_where_it_promises_the_margin(rows: int, low_rate: float) -> None:
+    """At a batch of more than one, guesses must promise batch_margin (5%) more goodput than a
+    plain round, else the round is plain; a batch of one takes the optimum as it is. The acceptance
+    sets the promise: at low_rate guesses promise 0.4-3% more than a plain round, at 0.5 20-45% more."""
+    assert ControllerConfig().batch_margin == 0.05
+    cost = CostModel(v0=4e-3, v_row=0.0, v_token=0.05e-3, d0=0.5e-3, d_step=0.2e-3)
+    for rate, gain_is_large in ((low_rate, False), (0.5, True)):
+        acc = np.full((rows, 2, KMAX), rate)
+        best = choose_blocks(acc, np.zeros(rows, int), np.ones(rows, bool), np.full(rows, KMAX), cost)
+        plain = choose_blocks(
+            acc, np.zeros(rows, int), np.ones(rows, bool), np.full(rows, KMAX), cost, width_range=(0, 0)
+        )
+        gain = best.goodput / plain.goodput - 1
+        assert best.width > 0 and (gain > 0.05) == gain_is_large, gain  # the case is what it says
+        for margin in (0.0, 0.05):
+            ctl = SpeculationController(ControllerConfig(batch_margin=margin, **_NO_EXPLORATION_KW))
+            ctl.cost_model = lambda c=cost: c  # the prices of the case, not a fit
+            ctl.global_acceptance = lambda greedy, a=rate: [[a] * KMAX, [a] * KMAX]
+            seqs = [SeqAcceptance(KMAX) for _ in range(rows)]
+            width = ctl.plan([RowPlan(s, True, KMAX, 0, True) for s in seqs], KMAX).width
+            speculates = margin == 0.0 or rows == 1 or gain_is_large
+            assert (width > 0) == speculates, (rate, margin, width)
+
+
+def test_a_batch_that_chose_plain_rounds_rests_from_planning() -> None:
+    """After a plan that speculates nowhere at a batch of more than one, dormant() holds the next
+    dormant_rounds rounds plain without planning; not after a speculating plan or at a batch of one."""
+    cost = CostModel(v0=4e-3, v_row=0.0, v_token=0.05e-3, d0=0.5e-3, d_step=0.2e-3)
+
+    def controller(rate: float) -> SpeculationController:
+        ctl = SpeculationController(ControllerConfig(dormant_rounds=5, **_NO_EXPLORATION_KW))
+        ctl.cost_model = lambda: cost
+        ctl.global_acceptance = lambda greedy: [[rate] * KMAX, [rate] * KMAX]
+        return ctl
+
+    def rests(ctl: SpeculationController) -> list[bool]:
+        return [ctl.dormant() for _ in range(7)]
+
+    off = controller(0.0)
+    assert off.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True) for _ in range(4)], KMAX).width == 0
+    assert rests(off) == [True] * 5 + [False] * 2
+    on = controller(0.9)
+    assert on.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True) for _ in range(4)], KMAX).width > 0
+    assert rests(on) == [False] * 7
+    alone = controller(0.0)
+    assert alone.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True)], KMAX).width == 0
+    assert rests(alone) == [False] * 7
