@@ -538,15 +538,15 @@ class ControllerConfig:
     # their time 10% too low: choosing by noisy estimates favours the ones that err upward), and a
     # round with guesses also costs the draft service CPU beside the target that its own timing
     # does not show. Not more: at 10%, 20 greedy rows in fp32 never started speculating (a young
-    # cost model promised less than that) and ran at 0.82-0.92 of the speed with it. A batch of
+    # cost model promised less than that) and ran at 0.87 of their speed at 5%. A batch of
     # one is left as it was (its choices were measured on par with the best fixed k).
     batch_margin: float = 0.05
     # At a batch of more than one, after a plan that speculates nowhere (not an exploration), this
     # many rounds run plain without planning (SpeculationController.dormant), and the probe of a
     # width of 1 (explore_start) comes only at the rounds that plan. Measured on the demo pair, 4
-    # sampled rows: planning and observing made a round with speculation off 4% slower than "none"
-    # in-process, and in the stack a probe cost about four plain rounds (the draft catches the rows
-    # up first), 4-10% of the time at 2% of the rounds.
+    # sampled rows: with speculation all but off, a round took 7% longer than one of "none"
+    # in-process (planning 0.18 ms of ~5), and in the stack a probe cost about four plain rounds
+    # (the draft catches the rows up first), 4-10% of the time at 2% of the rounds.
     dormant_rounds: int = 8
     # A row's catch-up on the draft model (RowPlan.catch_up) is paid once and serves the rounds it
     # then keeps drafting: priced at this share per round. About the memory of a row's own
