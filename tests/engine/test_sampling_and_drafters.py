@@ -201,6 +201,9 @@ def test_engine_drops_a_finished_sequence_s_ngram_index(tiny_pair) -> None:
     )
     ids = eng.tokenizer.encode("def f(x):\n    return x\ndef f(x):\n    return")
     for method in ("ngram", "auto"):
-        req = Request(f"r-{method}", ids, SamplingParams(max_tokens=12), SpecConfig(method, 3))
+        # Greedy and past EOS: exactly 12 tokens every run (sampled, an early EOS made it flaky).
+        req = Request(
+            f"r-{method}", ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), SpecConfig(method, 3)
+        )
         assert len(eng.generate([req])[req.request_id].token_ids) == 12
     assert eng.ngram._indexes == {}
