@@ -354,9 +354,7 @@ class Engine:
     def _may_rest(seqs: list[_Seq], routes: list[str]) -> bool:
         """Whether the "auto" rows may skip a plan: not when one is a seeded sampled request (its
         plan comes from its own history alone, whatever shares the batch)."""
-        return not any(
-            r == "auto" and not s.req.params.greedy and s.req.params.seed is not None for s, r in zip(seqs, routes)
-        )
+        return not any(r == "auto" and s.req.params.seeded_sampling for s, r in zip(seqs, routes))
 
     def _evict_aborted(self) -> list[StepOutput]:
         outs = []
@@ -474,7 +472,7 @@ class Engine:
         """The controller's choice for the "auto" rows: their k and route ("draft", "ngram", "none"),
         and their n-gram guesses where the n-gram was chosen. Other rows keep their method and k
         and are priced in as they are (they set a minimum width of the round)."""
-        if len(seqs) == 1 and routes[0] == "auto" and (seqs[0].req.params.greedy or seqs[0].req.params.seed is None):
+        if len(seqs) == 1 and routes[0] == "auto" and not seqs[0].req.params.seeded_sampling:
             return self._plan_alone(seqs[0], ks[0])
         lookup = self.ngram
         have_model = self.model_drafter is not None
@@ -489,7 +487,7 @@ class Engine:
                         matches[i] = match
                 # A seeded sampled request is planned from its own history alone, so it repeats
                 # exactly whatever shares its batch and however fast the rounds run.
-                deterministic = not p.greedy and p.seed is not None
+                deterministic = p.seeded_sampling
                 # A draft not ready for the row (prefilling it, or past its context) is no option;
                 # a seeded row's plan leaves readiness out, as it does everything outside the row.
                 model_ok = have_model and (deterministic or self.model_drafter.ready(seq.req.request_id))

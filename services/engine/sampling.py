@@ -51,6 +51,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def seeded_sampling(self) -> bool:
+        """Sampled with a seed: its tokens must repeat exactly, whatever shares its batch."""
+        return not self.greedy and self.seed is not None
+
+    @property
     def truncates(self) -> bool:
         """Sampled with top-k or top-p (the distribution needs a sort)."""
         return (self.top_k > 0 or self.top_p < 1.0) and not self.greedy
