@@ -562,6 +562,7 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                     runs["none"] = base
                     others = {m: r.tokens_per_second for m, r in runs.items()}
                     best = max(others, key=others.get)
+                    vs_best, vs_none = _paired(auto_r, runs[best]), _paired(auto_r, base)
                     verdicts.append(
                         {
                             "workload": w,
@@ -574,10 +575,10 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                             "auto_vs_none": round(auto / others["none"], 3),
                             # Pass by pass: the modes of one pass ran back to back, so a slow
                             # stretch of the machine moves both sides of each ratio.
-                            "auto_vs_best_per_pass": _paired(auto_r, runs[best]),
-                            "auto_vs_none_per_pass": _paired(auto_r, base),
-                            "auto_vs_best_judged": judged(_paired(auto_r, runs[best]), BAR_VS_BEST),
-                            "auto_vs_none_judged": judged(_paired(auto_r, base), BAR_VS_NONE),
+                            "auto_vs_best_per_pass": vs_best,
+                            "auto_vs_none_per_pass": vs_none,
+                            "auto_vs_best_judged": judged(vs_best, BAR_VS_BEST),
+                            "auto_vs_none_judged": judged(vs_none, BAR_VS_NONE),
                             "fixed_k_losing_to_none": [
                                 m for m, v in others.items() if m != "none" and v < others["none"]
                             ],
