@@ -541,13 +541,23 @@ class ControllerConfig:
     # cost model promised less than that) and ran at 0.87 of their speed at 5%. A batch of
     # one is left as it was (its choices were measured on par with the best fixed k).
     batch_margin: float = 0.05
-    # At a batch of more than one, after a plan that speculates nowhere (not an exploration), this
-    # many rounds run plain without planning (SpeculationController.dormant), and the probe of a
-    # width of 1 (explore_start) comes only at the rounds that plan. Measured on the demo pair, 4
+    # At a batch of more than one, after a plan that speculates nowhere (not an exploration), the
+    # next rounds run plain without planning (SpeculationController.dormant): dormant_rounds of them
+    # after the first such plan, twice as many after each that follows, up to dormant_rounds_max; a
+    # plan that speculates starts them short again. So a batch whose load falls waits at most
+    # dormant_rounds_max rounds for its next plan (a batch of one plans every round). The probe of
+    # a width of 1 (explore_start) comes only at the rounds that plan. Measured on the demo pair, 4
     # sampled rows: with speculation all but off, a round took 7% longer than one of "none"
     # in-process (planning 0.18 ms of ~5), and in the stack a probe cost about four plain rounds
-    # (the draft catches the rows up first), 4-10% of the time at 2% of the rounds.
+    # (the draft catches the rows up first), 4-10% of the time at 2% of the rounds. And in the
+    # stack, 4 sampled code streams (mean k 0.04), `auto` ran at 0.958 and 0.962 of `none` with
+    # rests of 8 rounds, and at 1.047 and 1.064 with rests of 64 (`specd bench --serve`, 10 passes
+    # each, two A/B pairs): a plan every 9 rounds, with the probes and short stretches of
+    # speculation they set off, cost a resting batch ~4%. Starting the rests short again also when
+    # the batch fell to half its rows, or to one, kept them short there (the benchmark's streams
+    # end together every 64 tokens): 0.882 and 0.974, against 0.937 and 0.950 with rests of 8.
     dormant_rounds: int = 8
+    dormant_rounds_max: int = 64
     # A row's catch-up on the draft model (RowPlan.catch_up) is paid once and serves the rounds it
     # then keeps drafting: priced at this share per round. About the memory of a row's own
     # acceptance (seq_decay): priced in full, a row that sat out a stretch would never come back.
@@ -821,6 +831,7 @@ class SpeculationController:
         self._draft_timed = False  # whether any round has timed the draft model
         self._timed_round = 0  # rounds timed so far
         self._dormant = 0  # rounds left to run plain without planning (see dormant())
+        self._rest = config.dormant_rounds  # the next rest's length (doubles while plans keep resting)
         # By verified tokens, decayed sums of the rounds' seconds and of their verify features
         # (lists: see DecayedCounts). The line is linear, so a count's mean deviation from whatever
         # line the last refit drew is these sums' (see _fit_cost).
@@ -970,13 +981,15 @@ class SpeculationController:
             plain = choose_within((0, 0))
             if choice.goodput < (1.0 + cfg.batch_margin) * plain.goodput:
                 choice = plain
-        dormancy = cfg.dormant_rounds if batch else 0
         explore = self._exploration_range(choice, can_guess, kmax)
         if explore is not None:
             lo, hi, bounded = explore
             choice = self._explored(choice, choose_within((lo, hi)), bounded)
-        elif choice.width == 0:
-            self._dormant = dormancy
+        elif choice.width > 0 or not batch:
+            self._wake()
+        else:
+            self._dormant = self._rest
+            self._rest = min(2 * self._rest, cfg.dormant_rounds_max)
         self.stats.rounds += 1
         self.stats.chosen_k = choice.ks.tolist()
         return choice
@@ -1040,10 +1053,15 @@ class SpeculationController:
         self.stats.explored += 1
         return trial
 
+    def _wake(self) -> None:
+        """Rests start short again (and none is under way)."""
+        self._dormant, self._rest = 0, self.cfg.dormant_rounds
+
     def dormant(self) -> bool:
-        """Whether this round of a batch of more than one runs plain without a plan: for
-        ``dormant_rounds`` rounds after a plan that chose speculation off everywhere. Rows whose
-        plan must not depend on their batch (seeded sampled ones) are the caller's to exclude."""
+        """Whether this round of a batch of more than one runs plain without a plan: for a rest
+        after a plan that chose speculation off everywhere (``dormant_rounds``, doubling while the
+        plans keep resting, up to ``dormant_rounds_max``). Rows whose plan must not depend on their
+        batch (seeded sampled ones) are the caller's to exclude."""
         if self._dormant > 0:
             self._dormant -= 1
             return True

@@ -686,3 +686,29 @@ def test_a_batch_that_chose_plain_rounds_rests_from_planning() -> None:
     alone = controller(0.0)
     assert alone.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True)], KMAX).width == 0
     assert rests(alone) == [False] * 7
+
+
+def test_rests_double_while_plans_keep_resting_and_start_short_again() -> None:
+    """Each plan at a batch that rests again doubles the rest (dormant_rounds, then twice as many, up
+    to dormant_rounds_max, whatever the batch's rows); a plan that speculates starts them at
+    dormant_rounds again, and a batch of one never rests."""
+    cost = CostModel(v0=4e-3, v_row=0.0, v_token=0.05e-3, d0=0.5e-3, d_step=0.2e-3)
+    rate = [0.0]
+    ctl = SpeculationController(ControllerConfig(dormant_rounds=2, dormant_rounds_max=8, **_NO_EXPLORATION_KW))
+    ctl.cost_model = lambda: cost
+    ctl.global_acceptance = lambda greedy: [[rate[0]] * KMAX, [rate[0]] * KMAX]
+
+    def rest_after_plan(rows: int) -> int:
+        """Plans a batch of ``rows`` fresh rows, then counts the rounds it rests (at most 100)."""
+        ctl.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True) for _ in range(rows)], KMAX)
+        n = 0
+        while n < 100 and ctl.dormant():
+            n += 1
+        return n
+
+    assert [rest_after_plan(4) for _ in range(5)] == [2, 4, 8, 8, 8]
+    rate[0] = 0.9  # guesses pay: the plan speculates, and the next rest is short
+    assert rest_after_plan(4) == 0
+    rate[0] = 0.0
+    assert [rest_after_plan(rows) for rows in (4, 2, 3)] == [2, 4, 8]
+    assert rest_after_plan(1) == 0

@@ -136,12 +136,15 @@ def test_a_resting_controller_skips_plans_except_with_a_seeded_row(engine: Engin
         engine.controller._dormant = 0
         for r in greedy:
             assert rested[r.request_id].token_ids == engine.generate([r])[r.request_id].token_ids
-        engine.controller._dormant = 1000
+        consulted: list[bool] = []
+        engine.controller.dormant = lambda: consulted.append(True) or True  # would rest if asked
         together = engine.generate([seeded, free])
-        assert engine.controller._dormant == 1000  # never consulted
+        del engine.controller.dormant
+        assert not consulted
         assert together["rest-s"].stats.proposed_tokens > 0
         assert together["rest-s"].token_ids == engine.generate([seeded])["rest-s"].token_ids
     finally:
+        engine.controller.__dict__.pop("dormant", None)
         engine.controller._dormant = 0  # the engine is shared with the other tests
     assert engine.active_slots == 0
 
