@@ -549,13 +549,13 @@ class ControllerConfig:
     # a width of 1 (explore_start) comes only at the rounds that plan. Measured on the demo pair, 4
     # sampled rows: with speculation all but off, a round took 7% longer than one of "none"
     # in-process (planning 0.18 ms of ~5), and in the stack a probe cost about four plain rounds
-    # (the draft catches the rows up first), 4-10% of the time at 2% of the rounds. And in the
-    # stack, 4 sampled code streams (mean k 0.04), `auto` ran at 0.958 and 0.962 of `none` with
-    # rests of 8 rounds, and at 1.047 and 1.064 with rests of 64 (`specd bench --serve`, 10 passes
-    # each, two A/B pairs): a plan every 9 rounds, with the probes and short stretches of
-    # speculation they set off, cost a resting batch ~4%. Starting the rests short again also when
-    # the batch fell to half its rows, or to one, kept them short there (the benchmark's streams
-    # end together every 64 tokens): 0.882 and 0.974, against 0.937 and 0.950 with rests of 8.
+    # (the draft catches the rows up first), 4-10% of the time at 2% of the rounds. In the stack,
+    # 4 sampled code streams at rest (mean k 0.04; `specd bench --serve`, 10 passes a run), `auto`
+    # against `none`: rests of 8 rounds 0.958 and 0.962, of 64 rounds 1.047 and 1.064 (two A/B
+    # pairs); later, on a noisier VM, runs interleaved: these growing rests 0.953, 1.000, 0.973,
+    # 0.985, rests of 8 0.937, 0.950, 0.922, 0.970, rests of 64 1.003, 0.934. Growing rests that
+    # also started short when the batch fell to half its rows or to one gave 0.882 and 0.974,
+    # presumably because the benchmark's streams, all 64 tokens long, end close together.
     dormant_rounds: int = 8
     dormant_rounds_max: int = 64
     # A row's catch-up on the draft model (RowPlan.catch_up) is paid once and serves the rounds it
