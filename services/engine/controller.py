@@ -985,8 +985,8 @@ class SpeculationController:
         if explore is not None:
             lo, hi, bounded = explore
             choice = self._explored(choice, choose_within((lo, hi)), bounded)
-        elif choice.width > 0 or not batch:
-            self._wake()
+        elif choice.width > 0 or not batch:  # no rest, and the next one starts short
+            self._dormant, self._rest = 0, cfg.dormant_rounds
         else:
             self._dormant = self._rest
             self._rest = min(2 * self._rest, cfg.dormant_rounds_max)
@@ -1052,10 +1052,6 @@ class SpeculationController:
             return best
         self.stats.explored += 1
         return trial
-
-    def _wake(self) -> None:
-        """Rests start short again (and none is under way)."""
-        self._dormant, self._rest = 0, self.cfg.dormant_rounds
 
     def dormant(self) -> bool:
         """Whether this round of a batch of more than one runs plain without a plan: for a rest
