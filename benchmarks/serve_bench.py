@@ -251,8 +251,9 @@ class _Stack:
             stop_process_group(p, grace=30)
         self.log.close()
 
-    def prepared_share(self) -> float | None:
-        """Share of the target's rounds of remote guesses served by a prepared block, so far."""
+    def block_shares(self) -> dict[str, float] | None:
+        """Shares of the target's blocks of remote guesses so far: "prepared", drafted ahead (whole,
+        in part, or offered), and "offered", of those the ones verified without waiting."""
         with urllib.request.urlopen(self.target_metrics_url, timeout=5) as r:
             text = r.read().decode()
         counts = {}
@@ -261,7 +262,10 @@ class _Stack:
                 source = line.split('source="', 1)[1].split('"', 1)[0]
                 counts[source] = float(line.rpartition(" ")[2])
         total = sum(counts.values())
-        return (counts.get("prepared", 0) + counts.get("continued", 0)) / total if total else None
+        if not total:
+            return None
+        ahead = counts.get("prepared", 0) + counts.get("continued", 0) + counts.get("offered", 0)
+        return {"prepared": ahead / total, "offered": counts.get("offered", 0) / total}
 
 
 @contextmanager
@@ -436,7 +440,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
         inproc = _InProcess(cfg, prompt_sets["code"])
     results: dict[Key, LoadResult] = {}
     pass_shares: dict[tuple[str, bool, Mode], list[float]] = {}
-    prepared: dict[tuple[str, bool], float | None] = {}
+    prepared: dict[tuple[str, bool], dict[str, float] | None] = {}
     for pinned in cfg.pin_cores:
         layout = _layout(pinned)
         cores = CorePlan.parse("auto") if pinned else None
@@ -496,7 +500,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                                     share = round((v / ip[m]) / base, 3)
                                     pass_shares.setdefault((layout, ahead, m), []).append(share)
             for ahead, stack in stacks.items():
-                prepared[(layout, ahead)] = stack.prepared_share()
+                prepared[(layout, ahead)] = stack.block_shares()
         finally:
             for stack in stacks.values():
                 stack.stop()
@@ -604,9 +608,11 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                                 "speedup_in_turn": round(off / base, 3),
                                 "speedup_ahead": round(on / base, 3),
                                 "ahead_vs_in_turn": round(on / off, 3),
-                                "prepared_share": None
-                                if prepared.get((layout, True)) is None
-                                else round(prepared[(layout, True)], 3),
+                                **{
+                                    f"{name}_share": None if shares is None else round(shares[name], 3)
+                                    for shares in [prepared.get((layout, True))]
+                                    for name in ("prepared", "offered")
+                                },
                             }
                         )
     per_mode = {}
@@ -642,7 +648,7 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
         "rows": rows,
         "auto_vs_others": verdicts,
         "ahead_vs_in_turn": ahead_rows,
-        "prepared_share": {f"{layout}, {_way(a)}": v for (layout, a), v in prepared.items()},
+        "block_shares": {f"{layout}, {_way(a)}": v for (layout, a), v in prepared.items()},
         "concurrency_1": per_mode,
     }
 
@@ -671,15 +677,16 @@ def render(doc: dict) -> str:
         lines += [
             "",
             "| layout | workload | T | concurrency | speculation | speed-up in turn | speed-up ahead "
-            "| ahead / in turn | share of rounds from a prepared block |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| ahead / in turn | share of rounds from a prepared block | offered (not waited for) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for v in doc["ahead_vs_in_turn"]:
             share = "" if v["prepared_share"] is None else f"{100 * v['prepared_share']:.0f}%"
+            offered = "" if v.get("offered_share") is None else f"{100 * v['offered_share']:.0f}%"
             lines.append(
                 f"| {v['layout']} | {v['workload']} | {v['temperature']:g} | {v['concurrency']} | {v['mode']} | "
                 f"{v['speedup_in_turn']:.2f}x | {v['speedup_ahead']:.2f}x | **{v['ahead_vs_in_turn']:.2f}x** | "
-                f"{share} |"
+                f"{share} | {offered} |"
             )
     if doc.get("auto_vs_others"):
         lines += [

@@ -35,9 +35,10 @@ def default_num_tokens(method: str) -> int:
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DEFAULT_DTYPE = "bfloat16"
 
-# How a draft made a block of guesses: drafted when the round came, drafted ahead and complete, or
-# drafted ahead in part and finished when the round came (services/draft/ahead.py). Metric labels.
-BLOCK_SOURCES = ("fresh", "prepared", "continued")
+# How a draft made a block of guesses: drafted when the round came, drafted ahead and complete,
+# drafted ahead in part and finished when the round came, or drafted ahead and sent before the
+# round, so the target did not wait for it (services/draft/ahead.py). Metric labels.
+BLOCK_SOURCES = ("fresh", "prepared", "continued", "offered")
 
 # The bundled demo pair. The installed package mirrors the checkout (specd/services beside
 # specd/models, as services/ beside models/; setup.py), so one relative path finds it in both.

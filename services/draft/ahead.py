@@ -23,6 +23,11 @@ When the outcome arrives, the branch whose assumed prefix *is* the committed pre
 block (finished first when it is short of the guesses asked for); every other branch is dropped
 and, if none matched, the draft drafts afresh from the committed prefix.
 
+Offering (the round's ``offer_prepared``): a branch is also sent to the target the moment it is
+complete (:class:`Offer`), so a target that commits the outcome it assumes verifies it at once,
+without the round trip; its next round says so (``offer_taken``) and the draft serves that same
+branch, as it would have anyway.
+
 Lossless. A branch's guesses are drawn on its exact prefix, with the same processing and
 truncation as a fresh block, from the uniforms of the seed the next round will carry (the target
 sends it one round early: ProposeRow.next_round_seed), and a branch is served only when its prefix
@@ -68,6 +73,20 @@ class Branch:
     sparse_ids: list[np.ndarray] = field(default_factory=list)  # per guess, sampled rows: the q it was drawn from
     sparse_probs: list[np.ndarray] = field(default_factory=list)
     alternatives: list[int] = field(default_factory=list)  # per guess, the runner-up token
+    offered: bool = False  # sent to the target (offering plans), once complete
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A complete branch sent ahead of the round: its block and the outcome it assumes."""
+
+    key: str
+    base: int  # committed length of the round that served the plan's block
+    assumed: tuple[int, ...]  # committed tokens it assumes after ``base``
+    seed: int  # the round seed its guesses were drawn with (0: greedy)
+    tokens: tuple[int, ...]
+    sparse_ids: tuple[np.ndarray, ...]  # per guess, sampled rows: the q it was drawn from
+    sparse_probs: tuple[np.ndarray, ...]
 
 
 @dataclass
@@ -83,6 +102,7 @@ class SeqPlan:
     want: int  # guesses per branch (the k of the round just served)
     width: int  # branches to prepare
     u: torch.Tensor | None  # [max_k] float64: the next round's uniforms (sampled rows), as a fresh block draws them
+    offer: bool = False  # send each branch to the target once complete
     probing: bool = True  # the main line's bonus step is still to run
     forked: bool = False  # the rejection branches exist
     branches: list[Branch] = field(default_factory=list)
@@ -155,6 +175,7 @@ class AheadLane:
         self.max_k = max_k
         self.spare_blocks = spare_blocks
         self.plans: dict[str, SeqPlan] = {}
+        self.offers: list[Offer] = []  # complete branches of offering plans, not yet sent
         self.policy = AheadPolicy()
         # This window (since the last round was served): steps run, their time, when the work ran out.
         self._steps = 0
@@ -173,6 +194,7 @@ class AheadLane:
             mean = self._step_seconds / self._steps if self._steps else 0.0
             self.policy.observe(self._steps, complete, idle, mean)
         self.policy.round()
+        self.offers = []  # not sent before the round: the target no longer waits for them
         for key in [k for k in self.plans if k not in keys]:
             self.drop(key)
         self._steps, self._step_seconds, self._done_at = 0, 0.0, None
@@ -203,10 +225,18 @@ class AheadLane:
             pass
 
     def plan(
-        self, key: str, base: int, block: list[int], alternatives: list[int], params: SamplingParams, seed: int
+        self,
+        key: str,
+        base: int,
+        block: list[int],
+        alternatives: list[int],
+        params: SamplingParams,
+        seed: int,
+        offer: bool = False,
     ) -> None:
         """Prepare the next round of ``key``, whose block ``block`` was just served on a committed
-        prefix of length ``base`` (``seed``: the next round's seed, sampled rows)."""
+        prefix of length ``base`` (``seed``: the next round's seed, sampled rows; ``offer``: send
+        each branch to the target once complete)."""
         width = self.policy.planned_width()
         k = len(block)
         if width == 0 or k == 0 or len(alternatives) < k or (not params.greedy and not seed):
@@ -216,7 +246,7 @@ class AheadLane:
             # Exactly the uniforms a fresh block of the next round draws (one generator per row,
             # seeded by the round's seed; a longer draw starts with the shorter one).
             u = uniforms((self.max_k,), [seed], 1, "cpu")[0]
-        self.plans[key] = SeqPlan(key, base, tuple(block), tuple(alternatives), params, seed, k, width, u)
+        self.plans[key] = SeqPlan(key, base, tuple(block), tuple(alternatives), params, seed, k, width, u, offer)
 
     def drop(self, key: str) -> None:
         """Forget a sequence's prepared work (released, re-opened, out of sync)."""
@@ -243,9 +273,35 @@ class AheadLane:
         if worked:
             self._steps += 1
             self._step_seconds += time.perf_counter() - t0
+            self._collect_offers()
             if not self.pending():
                 self._done_at = time.perf_counter()
         return worked
+
+    def take_offers(self) -> list[Offer]:
+        """The branches completed since the last call, to send to the target now."""
+        offers, self.offers = self.offers, []
+        return offers
+
+    def _collect_offers(self) -> None:
+        for p in self.plans.values():
+            if not p.offer:
+                continue
+            for b in p.branches:
+                if not b.offered and len(b.tokens) >= p.want:
+                    b.offered = True
+                    n = p.want
+                    self.offers.append(
+                        Offer(
+                            p.key,
+                            p.base,
+                            b.suffix,
+                            0 if p.greedy else p.seed,
+                            tuple(b.tokens[:n]),
+                            tuple(b.sparse_ids[:n]),
+                            tuple(b.sparse_probs[:n]),
+                        )
+                    )
 
     def _step(self, plans: list[SeqPlan]) -> bool:
         for p in plans:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specd.services.common.convert import sampling_from_pb
+from specd.services.draft.ahead import Offer
 from specd.services.draft.worker import BlockError, BlockOut, OpenSeq, ProposeReq
 from specd.v1 import draft_pb2
 
@@ -12,6 +13,7 @@ _SOURCES = {
     "fresh": draft_pb2.BLOCK_SOURCE_FRESH,
     "prepared": draft_pb2.BLOCK_SOURCE_PREPARED,
     "continued": draft_pb2.BLOCK_SOURCE_CONTINUED,
+    "offered": draft_pb2.BLOCK_SOURCE_OFFERED,
 }
 
 
@@ -29,6 +31,7 @@ def rows_from_pb(rnd: draft_pb2.DraftRound) -> list[ProposeReq]:
             r.num_tokens,
             r.round_seed,
             r.next_round_seed,
+            r.offer_taken,
         )
         for r in rnd.rows
     ]
@@ -47,3 +50,13 @@ def blocks_to_pb(round_id: int, blocks: list[BlockOut], prefilled_tokens: int = 
     return draft_pb2.DraftBlocks(
         round_id=round_id, blocks=[block_to_pb(b) for b in blocks], prefilled_tokens=prefilled_tokens
     )
+
+
+def offers_to_pb(offers: list[Offer]) -> draft_pb2.DraftBlocks:
+    """Blocks drafted ahead, sent between rounds (round_id 0)."""
+    msg = draft_pb2.DraftBlocks(round_id=0)
+    for o in offers:
+        seq_id = o.key.split("/", 1)[1]
+        b = BlockOut(seq_id, list(o.tokens), list(o.sparse_ids), list(o.sparse_probs), source="prepared")
+        msg.offered.add(block=block_to_pb(b), base_length=o.base, assumed_token_ids=o.assumed, round_seed=o.seed)
+    return msg

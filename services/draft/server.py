@@ -56,7 +56,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 errors[seq.seq_id] = err
         reqs = [r for r in convert.rows_from_pb(rnd) if r.seq_id not in errors]
         prefilled = self.worker.prefilled_tokens
-        blocks = self.worker.propose(stream, reqs, rnd.draft_ahead) if reqs else []
+        offer = rnd.draft_ahead and rnd.offer_prepared
+        blocks = self.worker.propose(stream, reqs, rnd.draft_ahead, offer) if reqs else []
         prefilled = self.worker.prefilled_tokens - prefilled
         blocks += [BlockOut(s, error=e) for s, e in errors.items()]
         if rnd.rows:
@@ -83,6 +84,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 rnd = await self._next_round(stream, inbox)
                 if rnd is None:
                     return
+                if isinstance(rnd, draft_pb2.DraftBlocks):
+                    yield rnd  # blocks offered ahead of the round
+                    continue
                 try:
                     blocks = self._round(stream, rnd)
                 except Exception:
@@ -94,11 +98,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             reader.cancel()
             self._close_stream(stream)
 
-    async def _next_round(self, stream: str, inbox: asyncio.Queue) -> draft_pb2.DraftRound | None:
-        """The stream's next round (None at its end). Until it comes, prefill the prompts opened
-        (a chunk at a time), then draft ahead one batched step at a time (services/draft/ahead.py),
-        giving the event loop a turn after each, so a round that arrives waits at most for the
-        chunk or step in flight."""
+    async def _next_round(
+        self, stream: str, inbox: asyncio.Queue
+    ) -> draft_pb2.DraftRound | draft_pb2.DraftBlocks | None:
+        """The stream's next round (None at its end), or blocks to offer before it. Until it
+        comes, prefill the prompts opened (a chunk at a time), then draft ahead one batched step at
+        a time (services/draft/ahead.py), giving the event loop a turn after each, so a round that
+        arrives waits at most for the chunk or step in flight."""
         while inbox.empty():
             if self.worker.prefill_idle():
                 pass
@@ -106,6 +112,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 t0 = time.perf_counter()
                 if self.worker.ahead_step(stream):
                     metrics.DRAFT_AHEAD_STEP_SECONDS.observe(time.perf_counter() - t0)
+                offers = self.worker.take_offers(stream)
+                if offers:
+                    return convert.offers_to_pb(offers)
             else:
                 break
             await asyncio.sleep(0)

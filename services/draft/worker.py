@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.services.draft.ahead import AheadLane, Claim
+from specd.services.draft.ahead import AheadLane, Claim, Offer
 from specd.services.engine.drafters import DraftRow, ModelDrafter
 from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
 from specd.services.engine.sampling import BatchSampling, SamplingParams
@@ -48,6 +48,7 @@ class ProposeReq:
     k: int
     round_seed: int
     next_round_seed: int = 0  # the seed the sequence's next round will carry (for drafting ahead)
+    offer_taken: bool = False  # the target verifies the block this draft offered for this outcome
 
 
 @dataclass
@@ -57,7 +58,9 @@ class BlockOut:
     sparse_ids: list[np.ndarray] = field(default_factory=list)  # per guess, for sampled rows
     sparse_probs: list[np.ndarray] = field(default_factory=list)
     error: BlockError = BlockError.NONE
-    source: str = "fresh"  # "fresh", "prepared" (drafted ahead, complete) or "continued" (finished this round)
+    # "fresh", "prepared" (drafted ahead, complete), "continued" (finished this round) or "offered"
+    # (drafted ahead, sent before the round and taken by the target)
+    source: str = "fresh"
     alternatives: list[int] = field(default_factory=list)  # per guess its runner-up (when drafting ahead)
 
 
@@ -143,6 +146,11 @@ class DraftWorker:
         lane = self.lanes.get(stream)
         return lane is not None and lane.step()
 
+    def take_offers(self, stream: str) -> list[Offer]:
+        """Prepared blocks completed since the last call, to offer the target now."""
+        lane = self.lanes.get(stream)
+        return lane.take_offers() if lane is not None else []
+
     def prefill_idle(self) -> bool:
         """One chunk of the prompts still to prefill, between rounds; False when there was none.
 
@@ -172,11 +180,12 @@ class DraftWorker:
         return BlockError.NONE
 
     @torch.inference_mode()
-    def propose(self, stream: str, reqs: list[ProposeReq], ahead: bool = False) -> list[BlockOut]:
+    def propose(self, stream: str, reqs: list[ProposeReq], ahead: bool = False, offer: bool = False) -> list[BlockOut]:
         """Apply each row's accepted count and new tokens, then propose all rows in one batch.
 
         A row whose outcome a prepared branch guessed gets that branch's block (services/draft/ahead.py).
-        ``ahead``: after this round, prepare each row's next block while the target verifies.
+        ``ahead``: after this round, prepare each row's next block while the target verifies;
+        ``offer``: and send each to the target once complete (:meth:`take_offers`).
         """
         out: dict[str, BlockOut] = {}
         rows: list[DraftRow] = []
@@ -201,6 +210,14 @@ class DraftWorker:
                 continue
             fits = len(st.tokens) + r.k <= self.max_len
             claim = lane.claim(k, st.tokens, r.round_seed, r.k) if fits else None
+            if r.offer_taken and (claim is None or not claim.ready):
+                # The target verified a block this draft no longer holds whole: its cache could
+                # disagree with what the target verified, so start the sequence over.
+                if claim is not None and claim.branch.holder != k:
+                    self.drafter.remove(claim.branch.holder)
+                self.release(stream, r.seq_id)
+                out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.OUT_OF_SYNC)
+                continue
             if claim is None:
                 lane.drop(k)
                 if self.drafter.has_proposed(k):
@@ -216,7 +233,8 @@ class DraftWorker:
                     self.drafter.adopt(k, claim.branch.holder, len(st.tokens))
                     claim.branch.holder = k
                 claims.append((claim, r.k))
-                out[r.seq_id] = BlockOut(r.seq_id, source="prepared" if claim.ready else "continued")
+                source = "offered" if r.offer_taken else "prepared" if claim.ready else "continued"
+                out[r.seq_id] = BlockOut(r.seq_id, source=source)
                 continue
             if not self.drafter.ready(k):
                 out[r.seq_id] = BlockOut(r.seq_id)  # still prefilling: no guesses this round, no error
@@ -265,5 +283,5 @@ class DraftWorker:
                     or len(st.tokens) + 2 * r.k + 2 > self.max_len
                 ):
                     continue
-                lane.plan(k, len(st.tokens), b.token_ids, b.alternatives, st.params, r.next_round_seed)
+                lane.plan(k, len(st.tokens), b.token_ids, b.alternatives, st.params, r.next_round_seed, offer)
         return [out[r.seq_id] for r in reqs]

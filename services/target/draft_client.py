@@ -84,14 +84,17 @@ class DraftClientConfig:
     # Ask the drafts to draft each sequence's next block while this target verifies
     # (services/draft/ahead.py); the output is the same either way.
     draft_ahead: bool = DRAFT_AHEAD_DEFAULT
+    # With draft_ahead: the drafts send each prepared block once complete, and a round whose
+    # outcome one of them assumed verifies it without waiting for the draft's answer.
+    offer_prepared: bool = True
 
 
 @dataclass(frozen=True)
 class DraftRoundReport:
     """What one round of remote guesses cost the target, for its metrics."""
 
-    wait_seconds: float  # from sending the round to the last reply (or the timeout)
-    blocks: dict[str, int]  # blocks received by source: "fresh", "prepared", "continued"
+    wait_seconds: float  # from sending the round to the last reply (or the timeout); 0 when offered
+    blocks: dict[str, int]  # blocks received by source: "fresh", "prepared", "continued", "offered"
 
 
 BLOCK_SOURCE_NAMES = {
@@ -99,6 +102,7 @@ BLOCK_SOURCE_NAMES = {
     draft_pb2.BLOCK_SOURCE_FRESH: "fresh",
     draft_pb2.BLOCK_SOURCE_PREPARED: "prepared",
     draft_pb2.BLOCK_SOURCE_CONTINUED: "continued",
+    draft_pb2.BLOCK_SOURCE_OFFERED: "offered",
 }
 
 
@@ -141,6 +145,9 @@ class _Stream:
         self.replies: queue.Queue = queue.Queue()
         self.connected = threading.Event()
         self.broken = threading.Event()
+        # Blocks the draft offered ahead of a round, by sequence: only those of its latest plan.
+        self._offers: dict[str, list[draft_pb2.OfferedBlock]] = {}
+        self._offers_lock = threading.Lock()
         self.call = stub.Draft(iter(self.requests.get, None), wait_for_ready=True)
         self.reader = threading.Thread(target=self._read, daemon=True, name="draft-stream-reader")
         self.reader.start()
@@ -156,7 +163,9 @@ class _Stream:
                 self.connected.set()
                 self.states.up(self.address, self)
             for reply in self.call:
-                if reply.round_id:  # round 0: a fire-and-forget open or release; nobody waits for it
+                if reply.offered:
+                    self._keep_offers(reply.offered)
+                if reply.round_id:  # round 0: offers, or a fire-and-forget open or release's answer
                     self.replies.put(reply)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
@@ -166,11 +175,39 @@ class _Stream:
             self.states.down(self.address, self)
             self.replies.put(None)
 
+    def _keep_offers(self, offered: Iterable[draft_pb2.OfferedBlock]) -> None:
+        with self._offers_lock:
+            for o in offered:
+                held = self._offers.get(o.block.sequence_id)
+                if held and held[0].base_length == o.base_length:
+                    held.append(o)
+                else:  # a newer plan's (or the first): the older ones can no longer match
+                    self._offers[o.block.sequence_id] = [o]
+
+    def take_offers(self, seq_id: str) -> list[draft_pb2.OfferedBlock]:
+        """The sequence's offered blocks, forgotten here (a round makes them stale either way)."""
+        with self._offers_lock:
+            return self._offers.pop(seq_id, [])
+
     def send(self, msg: draft_pb2.DraftRound) -> None:
         self.requests.put(msg)
 
-    def receive(self, round_id: int, deadline: float) -> draft_pb2.DraftBlocks | None:
-        """The reply to ``round_id`` (replies to fire-and-forget rounds are skipped), or None."""
+    def drain(self, late: Callable[[draft_pb2.DraftBlocks], None]) -> None:
+        """Hand the replies already here to ``late`` (answers to rounds nobody waited for)."""
+        while True:
+            try:
+                reply = self.replies.get_nowait()
+            except queue.Empty:
+                return
+            if reply is None:
+                self.replies.put(None)  # the stream's end stays visible to receive()
+                return
+            late(reply)
+
+    def receive(
+        self, round_id: int, deadline: float, late: Callable[[draft_pb2.DraftBlocks], None] = lambda reply: None
+    ) -> draft_pb2.DraftBlocks | None:
+        """The reply to ``round_id``, or None; replies to other rounds go to ``late``."""
         while True:
             timeout = deadline - time.monotonic()
             if timeout <= 0:
@@ -183,6 +220,7 @@ class _Stream:
                 return None
             if reply.round_id == round_id:
                 return reply
+            late(reply)
 
     def close(self) -> None:
         self.requests.put(None)
@@ -205,6 +243,9 @@ class DraftEndpoint:
         self.retry_at = 0.0
         self.backoff = cfg.retry_initial
         self.assigned = 0  # sequences routed here (open or not)
+        self.last_round = 0  # the last round with rows sent on the current stream
+        # Rounds verified from offered blocks, not waited for: their answers are read later, for errors.
+        self.unwaited: set[int] = set()
 
     @property
     def up(self) -> bool:
@@ -253,6 +294,7 @@ class DraftEndpoint:
         self.stream = None
         self.info = None
         self.opened.clear()
+        self.unwaited.clear()
 
     def close(self) -> None:
         self._drop_stream()
@@ -272,6 +314,7 @@ class _SeqState:
     # it) and every seed still comes from the request's own seeded stream.
     seeds: torch.Generator | None = None
     next_seed: int = 0
+    asked_round: int = 0  # the last round that asked its endpoint for this sequence's guesses
 
 
 class RemoteDrafter:
@@ -388,23 +431,35 @@ class RemoteDrafter:
                 by_ep.setdefault(id(st.endpoint), []).append((i, k))
         if by_ep:
             self._steps_since_ask = 0
-        # Send every endpoint its round first, then collect: the drafts work in parallel.
+        # Send every endpoint its round first, then collect: the drafts work in parallel. A row
+        # whose draft offered a block for its outcome takes it; an endpoint that offered every
+        # row's is not waited for.
         pending: list[tuple[DraftEndpoint, int, list[int]]] = []
+        offered: dict[int, draft_pb2.Block] = {}  # row -> the block its draft offered
         caught_up, timed = 0, True
         for asks in by_ep.values():
             ep = self.seqs[rows[asks[0][0]].seq_id].endpoint
+            if ep.unwaited:
+                ep.stream.drain(lambda reply, ep=ep: self._late(ep, reply))
+            asked = [(rows[i], k) for i, k in asks]
+            taken = self._offered(ep, asked)
             round_id = next(self._round_ids)
-            msg = self._round_msg(ep, round_id, [(rows[i], k) for i, k in asks])
+            msg = self._round_msg(ep, round_id, asked, [b is not None for b in taken])
             # Rows with many tokens to catch up (an opened sequence makes the draft prefill instead).
             caught_up += sum(max(0, _unseen(r) - CATCH_UP_TOKENS) for r in msg.rows)
             timed = timed and not msg.open
             ep.stream.send(msg)
-            pending.append((ep, round_id, [i for i, _ in asks]))
+            offered.update((i, b) for (i, _), b in zip(asks, taken) if b is not None)
+            if all(b is not None for b in taken):
+                ep.unwaited.add(round_id)
+            else:
+                pending.append((ep, round_id, [i for i, _ in asks]))
         t0 = time.monotonic()
         deadline = t0 + self.cfg.round_timeout
-        blocks: dict[int, draft_pb2.Block] = {}  # row -> its block
+        blocks: dict[int, draft_pb2.Block] = dict(offered)  # row -> its block
         for ep, round_id, idx in pending:
-            reply = ep.stream.receive(round_id, deadline) if ep.stream is not None else None
+            late = lambda reply, ep=ep: self._late(ep, reply)  # noqa: E731
+            reply = ep.stream.receive(round_id, deadline, late) if ep.stream is not None else None
             if reply is None:
                 self._failed(ep, "it did not answer")
                 continue
@@ -413,18 +468,22 @@ class RemoteDrafter:
             by_id = {rows[i].seq_id: i for i in idx}
             for b in reply.blocks:
                 i = by_id.get(b.sequence_id)
-                if i is not None and self._usable_block(b, rows[i]):
+                if i in offered:
+                    if b.error != draft_pb2.DRAFT_ERROR_UNSPECIFIED:  # the draft no longer held it
+                        self._draft_error(b.sequence_id, self.seqs[b.sequence_id], b.error)
+                        del offered[i], blocks[i]
+                elif i is not None and self._usable_block(b, rows[i]):
                     blocks[i] = b
         for i, b in blocks.items():
             n = min(len(b.token_ids), rows[i].k)
             token_ids[i, :n] = torch.tensor(b.token_ids[:n], dtype=torch.long)
-        if pending:
+        if pending or offered:
             sources = dict.fromkeys(self.blocks_by_source, 0)
-            for b in blocks.values():
-                sources[BLOCK_SOURCE_NAMES.get(b.source, "fresh")] += 1
+            for i, b in blocks.items():
+                sources["offered" if i in offered else BLOCK_SOURCE_NAMES.get(b.source, "fresh")] += 1
             for source, n in sources.items():
                 self.blocks_by_source[source] += n
-            self.on_round(DraftRoundReport(time.monotonic() - t0, sources))
+            self.on_round(DraftRoundReport(time.monotonic() - t0 if pending else 0.0, sources))
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
@@ -519,9 +578,59 @@ class RemoteDrafter:
         ep.opened.add(seq_id)
         st.known, st.num_accepted = len(tokens), 0
 
-    def _round_msg(self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]]) -> draft_pb2.DraftRound:
-        msg = draft_pb2.DraftRound(round_id=round_id, draft_ahead=self.cfg.draft_ahead)
+    def _offered(self, ep: DraftEndpoint, asks: list[tuple[DraftRow, int]]) -> list[draft_pb2.Block | None]:
+        """Per row, the block its draft offered for its exact outcome (its committed tokens since
+        its last round, this round's seed, at least k guesses), or None. The rows' offers are
+        spent either way: after this round none can match.
+
+        Only a plan made in the endpoint's latest round with rows still exists at the draft (a
+        round without the sequence drops it), hence the round check."""
+        if not (self.cfg.draft_ahead and self.cfg.offer_prepared) or ep.stream is None:
+            return [None] * len(asks)
+        found: list[draft_pb2.Block | None] = []
         for r, k in asks:
+            offers = ep.stream.take_offers(r.seq_id)
+            st = self.seqs[r.seq_id]
+            if not offers or r.seq_id not in ep.opened or st.asked_round != ep.last_round:
+                found.append(None)
+                continue
+            assumed = r.tokens[st.known :]
+            seed = 0 if r.seed is None else st.next_seed
+            found.append(
+                next(
+                    (
+                        o.block
+                        for o in offers
+                        if o.base_length == st.known
+                        and o.round_seed == seed
+                        and len(o.block.token_ids) >= k
+                        and (r.greedy or len(o.block.probs) >= k)
+                        and list(o.assumed_token_ids) == assumed
+                    ),
+                    None,
+                )
+            )
+        return found
+
+    def _late(self, ep: DraftEndpoint, reply: draft_pb2.DraftBlocks) -> None:
+        """The answer to a round verified from offered blocks: act on the errors it carries
+        (a draft that no longer held an offered block dropped the sequence)."""
+        if reply.round_id not in ep.unwaited:
+            return
+        ep.unwaited.discard(reply.round_id)
+        for b in reply.blocks:
+            st = self.seqs.get(b.sequence_id)
+            if b.error != draft_pb2.DRAFT_ERROR_UNSPECIFIED and st is not None and st.endpoint is ep:
+                self._draft_error(b.sequence_id, st, b.error)
+
+    def _round_msg(
+        self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]], taken: list[bool]
+    ) -> draft_pb2.DraftRound:
+        msg = draft_pb2.DraftRound(
+            round_id=round_id, draft_ahead=self.cfg.draft_ahead, offer_prepared=self.cfg.offer_prepared
+        )
+        ep.last_round = round_id
+        for (r, k), offer_taken in zip(asks, taken):
             st = self.seqs[r.seq_id]
             seed = next_seed = 0
             if r.seed is not None:
@@ -543,30 +652,34 @@ class RemoteDrafter:
                 num_tokens=k,
                 round_seed=seed,
                 next_round_seed=next_seed,
+                offer_taken=offer_taken,
             )
-            st.known, st.num_accepted = len(r.tokens), 0
+            st.known, st.num_accepted, st.asked_round = len(r.tokens), 0, round_id
         return msg
 
     def _usable_block(self, b: draft_pb2.Block, row: DraftRow) -> bool:
         """Act on the block's error, if any; whether it carries guesses to use."""
-        st = self.seqs[row.seq_id]
-        ep = st.endpoint
         if b.error == draft_pb2.DRAFT_ERROR_UNSPECIFIED:
             # A sampled row without its q cannot be verified losslessly.
             return bool(b.token_ids) and (row.greedy or len(b.probs) >= min(len(b.token_ids), row.k))
-        if b.error in REOPEN:
-            ep.opened.discard(row.seq_id)  # the draft dropped (or never had) it
-        elif b.error in NEVER_AGAIN:
-            self._never_again(row.seq_id, st)  # released, as a draft may hold it (refused at a round)
-        elif b.error in LATER:
-            ep.opened.discard(row.seq_id)
+        self._draft_error(row.seq_id, self.seqs[row.seq_id], b.error)
+        return False
+
+    def _draft_error(self, seq_id: str, st: _SeqState, error: int) -> None:
+        """Act on what the draft refused for a sequence."""
+        ep = st.endpoint
+        if error in REOPEN:
+            ep.opened.discard(seq_id)  # the draft dropped (or never had) it
+        elif error in NEVER_AGAIN:
+            self._never_again(seq_id, st)  # released, as a draft may hold it (refused at a round)
+        elif error in LATER:
+            ep.opened.discard(seq_id)
             st.retry_at = time.monotonic() + self.cfg.retry_initial
-            if b.error == draft_pb2.DRAFT_ERROR_DRAINING:
+            if error == draft_pb2.DRAFT_ERROR_DRAINING:
                 ep.refusing()  # its sequences move to another draft, if there is one, next round
         else:
-            log.warning("draft %s: unknown error %d for %s", ep.address, b.error, row.seq_id)
-            ep.opened.discard(row.seq_id)
-        return False
+            log.warning("draft %s: unknown error %d for %s", ep.address, error, seq_id)
+            ep.opened.discard(seq_id)
 
     def _sparse_q(
         self, blocks: dict[int, draft_pb2.Block], rows: Sequence[DraftRow], B: int, width: int

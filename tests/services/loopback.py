@@ -4,7 +4,9 @@
 For the statistical and exactness tests of drafting ahead, which need thousands of rounds in
 seconds and a deterministic schedule: after answering each round this draft finishes every block it
 prepares before it reads the next one (a draft with time to spare), so every guessed outcome is
-served from a prepared block. The network path itself is covered by the tests that start a real
+served from a prepared block; with offers on, those blocks ride on the round's answer (a real draft
+sends them in messages of their own as each completes), so the target verifies every guessed
+outcome from an offered block. The network path itself is covered by the tests that start a real
 ``specd draft`` process (tests/services/test_remote_drafter.py, tests/e2e/).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 
+from specd.services.draft import convert
 from specd.services.draft.ahead import MAX_WIDTH, AheadPolicy
 from specd.services.draft.server import DraftServerConfig, DraftServicer, build_worker
 from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
@@ -40,6 +43,7 @@ class LoopbackCall:
         reply = self.servicer._round(self.stream, rnd)
         while self.servicer.worker.ahead_step(self.stream):
             pass
+        reply.offered.extend(convert.offers_to_pb(self.servicer.worker.take_offers(self.stream)).offered)
         return reply
 
     def initial_metadata(self) -> tuple:
@@ -89,14 +93,22 @@ class LoopbackStub:
 
 
 def loopback_drafter(
-    draft_dir: str, vocab_size: int, draft_ahead: bool, support: int = 4, width: int = MAX_WIDTH
+    draft_dir: str,
+    vocab_size: int,
+    draft_ahead: bool,
+    support: int = 4,
+    width: int = MAX_WIDTH,
+    offer_prepared: bool = True,
 ) -> tuple[RemoteDrafter, DraftServicer]:
     """A RemoteDrafter whose one endpoint is an in-process draft servicer over ``draft_dir`` (float32)."""
     worker, info = build_worker(
         DraftServerConfig(model=draft_dir, port=0, dtype="float32", support=support, max_sequences=256)
     )
     servicer = DraftServicer(worker, info)
-    drafter = RemoteDrafter(DraftClientConfig(("loopback:1",), round_timeout=60.0, draft_ahead=draft_ahead), vocab_size)
+    cfg = DraftClientConfig(
+        ("loopback:1",), round_timeout=60.0, draft_ahead=draft_ahead, offer_prepared=offer_prepared
+    )
+    drafter = RemoteDrafter(cfg, vocab_size)
     ep = drafter.endpoints[0]
     ep.close()  # the stream opened to the unreachable address
     ep.stub = LoopbackStub(servicer, width)

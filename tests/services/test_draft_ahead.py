@@ -99,6 +99,54 @@ def test_every_prepared_block_is_the_block_a_fresh_draft_makes(tiny_pair, temper
     assert set(w.drafter.seqs) == {key}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_offers_are_the_prepared_branches_and_a_taken_offer_is_served_as_offered(tiny_pair, temperature) -> None:
+    """Each complete branch is offered once, with its outcome, the round's seed and its q; a round
+    that took an offer gets that same block back (source "offered"); one that took an offer the
+    draft no longer holds drops the sequence (OUT_OF_SYNC) with every slot freed."""
+    params = SamplingParams(temperature, top_p=0.95 if temperature else 1.0)
+    prompt = [5, 17, 99, 23, 8, 41, 77, 3]
+    k, seed1, seed2 = 3, 11, 12345
+    w = _worker(tiny_pair[1])
+    w.open("s", OpenSeq("x", prompt, params))
+    key = w.key("s", "x")
+    while not w.drafter.ready(key):
+        w.drafter.prefill(64)
+    w.propose("s", [ProposeReq("x", 0, [], len(prompt), k, seed1, seed2)], ahead=True, offer=True)
+    lane = w.lanes["s"]
+    lane.plans[key].width = MAX_WIDTH
+    offers = []
+    while w.ahead_step("s"):
+        offers += w.take_offers("s")
+    plan = lane.plans[key]
+    assert len(offers) == len(plan.branches) == k + 2
+    by_outcome = {o.assumed: o for o in offers}
+    for br in plan.branches:
+        o = by_outcome[br.suffix]
+        assert o.base == len(prompt) and list(o.tokens) == br.tokens
+        assert o.seed == (seed2 if temperature else 0)
+        assert len(o.sparse_ids) == (k if temperature else 0)
+    assert w.take_offers("s") == []  # each once
+    taken = plan.branches[-1]
+    (served,) = w.propose(
+        "s",
+        [
+            ProposeReq(
+                "x", len(taken.suffix) - 1, list(taken.suffix), len(prompt) + len(taken.suffix), k, seed2, 7, True
+            )
+        ],
+        ahead=True,
+        offer=True,
+    )
+    assert served.source == "offered" and served.token_ids == list(by_outcome[taken.suffix].tokens)
+    # The draft lost the plan the target took an offer from: the sequence is dropped, nothing kept.
+    lane.drop_all()
+    committed = len(prompt) + len(taken.suffix)
+    (lost,) = w.propose("s", [ProposeReq("x", 1, [served.token_ids[0], 4], committed + 2, k, 7, 8, True)])
+    assert lost.error is BlockError.OUT_OF_SYNC
+    assert w.active == 0 and not w.drafter.seqs
+
+
 def test_a_branch_prepared_in_part_is_finished_when_its_outcome_arrives(tiny_pair) -> None:
     draft_dir = tiny_pair[1]
     params = SamplingParams(0.0)
@@ -198,9 +246,11 @@ def test_policy_widens_narrows_and_pauses() -> None:
 # ----------------------------------------------------------------------- through the client
 
 
-def _loopback_engine(pair, draft_ahead: bool, support: int = 4) -> Engine:
+def _loopback_engine(pair, draft_ahead: bool, support: int = 4, offer_prepared: bool = True) -> Engine:
     target = load_model(str(pair[0]), torch.float32, "cpu")
-    drafter, _ = loopback_drafter(str(pair[1]), target.info.vocab_size, draft_ahead, support)
+    drafter, _ = loopback_drafter(
+        str(pair[1]), target.info.vocab_size, draft_ahead, support, offer_prepared=offer_prepared
+    )
     return Engine(target, load_tokenizer(str(pair[0])), None, EngineConfig(64, 64), drafter=drafter)
 
 
@@ -248,7 +298,7 @@ def test_sampling_law_with_drafting_ahead(close_micro_pair) -> None:
         sources = engine.model_drafter.blocks_by_source
     finally:
         engine.model_drafter.close()
-    assert sources["prepared"] > 150, sources  # about 300 expected
+    assert sources["offered"] > 150, sources  # about 300 expected: verified without a round trip
     proposed = sum(r.stats.proposed_tokens for r in res.values())
     accepted = sum(r.stats.accepted_tokens for r in res.values())
     assert 0.1 < accepted / proposed < 0.95, "the test needs both accepts and rejects"
@@ -262,12 +312,13 @@ def test_sampling_law_with_drafting_ahead(close_micro_pair) -> None:
 
 def test_greedy_identity_and_seeded_repeats_with_drafting_ahead(tiny_pair) -> None:
     """Greedy output equals the target alone; seeded sampled output is token for token the same
-    with drafting ahead on and off (the prepared blocks are the blocks a fresh draft makes)."""
+    drafting in turn, drafting ahead, and drafting ahead with offered blocks (the prepared blocks
+    are the blocks a fresh draft makes)."""
     prompts = [(5, 17, 99, 23), (1, 2, 3), (40, 40, 40, 40, 40), (11, 0, 6, 300)]
     greedy = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
     outs, sources = {}, {}
-    for ahead in (False, True):
-        engine = _loopback_engine(tiny_pair, ahead, support=16)
+    for ahead, offer in ((False, False), (True, False), (True, True)):
+        engine = _loopback_engine(tiny_pair, ahead, support=16, offer_prepared=offer)
         try:
             reqs = [Request(f"g{i}", p, greedy, SpecConfig("draft", 4)) for i, p in enumerate(prompts)]
             reqs += [
@@ -280,13 +331,49 @@ def test_greedy_identity_and_seeded_repeats_with_drafting_ahead(tiny_pair) -> No
                 for i, p in enumerate(prompts)
             ]
             res = engine.generate(reqs)
-            sources[ahead] = dict(engine.model_drafter.blocks_by_source)
+            sources[ahead, offer] = dict(engine.model_drafter.blocks_by_source)
         finally:
             engine.model_drafter.close()
-        outs[ahead] = {rid: r.token_ids for rid, r in res.items()}
+        outs[ahead, offer] = {rid: r.token_ids for rid, r in res.items()}
     base = engine.generate([Request(f"b{i}", p, greedy, SpecConfig("none", 0)) for i, p in enumerate(prompts)])
     for i in range(len(prompts)):
-        assert outs[True][f"g{i}"] == base[f"b{i}"].token_ids
-    assert outs[True] == outs[False]
-    assert sources[True]["prepared"] >= 20, sources  # 44 of 99 blocks here (the schedule is deterministic)
-    assert sources[False]["prepared"] == sources[False]["continued"] == 0
+        assert outs[True, True][f"g{i}"] == base[f"b{i}"].token_ids
+    assert outs[True, True] == outs[True, False] == outs[False, False]
+    assert sources[True, False]["prepared"] >= 20, sources  # 44 of 99 blocks here (the schedule is deterministic)
+    assert sources[True, True]["offered"] >= 20, sources
+    assert sources[False, False]["prepared"] == sources[False, False]["continued"] == 0
+
+
+def test_an_offer_the_draft_no_longer_holds_reopens_the_sequence_and_output_is_unchanged(tiny_pair) -> None:
+    """The target verified an offered block without waiting, and the draft had lost the plan it came
+    from: the late answer (OUT_OF_SYNC) makes the target open the sequence again, and the output is
+    still the target's own."""
+    target = load_model(str(tiny_pair[0]), torch.float32, "cpu")
+    drafter, servicer = loopback_drafter(str(tiny_pair[1]), target.info.vocab_size, True, support=16)
+    engine = Engine(target, load_tokenizer(str(tiny_pair[0])), None, EngineConfig(64, 64), drafter=drafter)
+    worker = servicer.worker
+    real_propose, lost, offered_before = worker.propose, [], []
+
+    def losing_propose(stream, reqs, ahead=False, offer=False):
+        if not lost and any(r.offer_taken for r in reqs):
+            worker.lanes[stream].drop_all()  # as if cache pressure had dropped the prepared work
+            out = real_propose(stream, reqs, ahead, offer)
+            lost.extend(b.error for b in out)
+            offered_before.append(drafter.blocks_by_source["offered"])
+            return out
+        return real_propose(stream, reqs, ahead, offer)
+
+    worker.propose = losing_propose
+    prompt = (5, 17, 99, 23)
+    greedy = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
+    try:
+        spec = engine.generate([Request("g", prompt, greedy, SpecConfig("draft", 4))])
+        sources = dict(drafter.blocks_by_source)
+    finally:
+        drafter.close()
+    base = engine.generate([Request("b", prompt, greedy, SpecConfig("none", 0))])
+    assert lost == [BlockError.OUT_OF_SYNC]
+    # Offers were taken after the loss too: the sequence was opened again at the draft.
+    assert sources["offered"] > offered_before[0] >= 1, (sources, offered_before)
+    assert spec["g"].token_ids == base["b"].token_ids
+    assert worker.active == 0  # released at the end, nothing leaked

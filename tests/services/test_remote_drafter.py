@@ -124,7 +124,7 @@ def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_process, draf
     assert sum(r.stats.proposed_tokens for r in spec.values()) > 0
     for i in range(len(prompts)):
         assert spec[f"s{i}"].token_ids == base[f"b{i}"].token_ids
-    served_ahead = sources["prepared"] + sources["continued"]
+    served_ahead = sources["prepared"] + sources["continued"] + sources["offered"]
     assert served_ahead > 0 if draft_ahead else served_ahead == 0, sources
 
 
