@@ -3,7 +3,8 @@
 With ``--pin-cores`` the draft service and the gateway run on one set of cores and the target on
 another, each model process with as many torch (and OpenMP) threads as it has cores. Drafting ahead
 (services/draft/ahead.py) then uses time the draft would otherwise spend idle, instead of taking
-cycles the target needs, as it does when both float over the same cores.
+cycles the target needs, as it does when both float over the same cores: :func:`competes` tells a
+target whether that is so for one of its drafts (from the draft's :class:`Placement`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 def parse_cores(text: str) -> frozenset[int]:
@@ -80,3 +84,32 @@ def pin_then(cores: frozenset[int], then: Callable[[], None]) -> Callable[[], No
         then()
 
     return preexec
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a process computes: its machine (this boot of it), the cores it may use, its compute
+    threads and its torch device."""
+
+    host_id: str  # "" when unknown: then never taken for the same machine as another
+    cores: frozenset[int]
+    threads: int
+    device: str
+
+    @classmethod
+    def of_this_process(cls, threads: int, device: str) -> Placement:
+        try:
+            host_id = BOOT_ID.read_text().strip()
+        except OSError:
+            host_id = ""
+        return cls(host_id, frozenset(os.sched_getaffinity(0)), threads, device)
+
+
+def competes(a: Placement, b: Placement) -> bool:
+    """Whether two processes would take each other's compute: on one machine, on one accelerator,
+    or on CPUs where they may share cores and their threads outnumber the cores they may use."""
+    if not a.host_id or a.host_id != b.host_id:
+        return False
+    if a.device != "cpu" or b.device != "cpu":
+        return a.device == b.device
+    return bool(a.cores & b.cores) and a.threads + b.threads > len(a.cores | b.cores)

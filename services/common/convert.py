@@ -1,9 +1,10 @@
-"""Sampling parameters between the engine's dataclass and the wire (specd.v1.SamplingParams)."""
+"""Shared messages between their dataclasses and the wire: specd.v1.SamplingParams, specd.v1.Placement."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from specd.services.common.affinity import Placement
 from specd.services.engine.sampling import SamplingParams
 from specd.v1 import common_pb2
 
@@ -23,3 +24,11 @@ def sampling_from_pb(s: common_pb2.SamplingParams, **request_fields: Any) -> Sam
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     """The fields that shape a distribution (what a draft needs to build the same q as the target's p)."""
     return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+
+
+def placement_to_pb(p: Placement) -> common_pb2.Placement:
+    return common_pb2.Placement(host_id=p.host_id, cores=sorted(p.cores), threads=p.threads, device=p.device)
+
+
+def placement_from_pb(p: common_pb2.Placement) -> Placement:
+    return Placement(p.host_id, frozenset(p.cores), p.threads, p.device)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.services.engine.drafters import ModelDrafter, runner_up
+from specd.services.engine.drafters import ModelDrafter
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import to_sparse, truncate_probs
 
@@ -351,8 +351,8 @@ class AheadLane:
             u = torch.stack([rows[i][0].u[len(rows[i][1].tokens)] for i in sampled]).to(device)
             tokens[idx] = sample_from(q, u)
             ids, probs = (t.cpu().numpy() for t in to_sparse(q, self.support))
-        alts = runner_up(logits, tokens)
-        top2 = logits.topk(2, dim=-1).indices
+        top2 = logits.topk(2, dim=-1).indices  # [R, 2]: the bonus branches' tokens, and each guess's runner-up
+        alts = torch.where(top2[:, 0] == tokens, top2[:, 1], top2[:, 0])  # as runner_up, one top-k fewer
         host_tokens, host_alts, host_top2 = tokens.tolist(), alts.tolist(), top2.tolist()  # one sync
         where = {i: n for n, i in enumerate(sampled)}
         for i, (p, b) in enumerate(rows):

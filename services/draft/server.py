@@ -143,7 +143,11 @@ async def _read_into(request_iterator, inbox: asyncio.Queue) -> None:
 
 
 def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoResponse]:
+    import torch
+
+    from specd.services.common.affinity import Placement
     from specd.services.common.constants import MAX_SPECULATIVE_TOKENS
+    from specd.services.common.convert import placement_to_pb
     from specd.services.engine.builder import DTYPES
     from specd.services.engine.drafters import ModelDrafter
     from specd.services.engine.model import load_model
@@ -160,6 +164,7 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
         max_context=max_len,
         role="draft",
         max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
+        placement=placement_to_pb(Placement.of_this_process(torch.get_num_threads(), str(model.device))),
     )
     return DraftWorker(drafter, max_len, cfg.support, MAX_SPECULATIVE_TOKENS, cfg.prefill_chunk), info
 

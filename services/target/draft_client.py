@@ -36,8 +36,9 @@ import grpc
 import numpy as np
 import torch
 
+from specd.services.common.affinity import Placement, competes
 from specd.services.common.constants import BLOCK_SOURCES, CATCH_UP_TOKENS
-from specd.services.common.convert import sampling_to_pb
+from specd.services.common.convert import placement_from_pb, sampling_to_pb
 from specd.services.common.grpc_server import CHANNEL_OPTIONS
 from specd.services.common.tls import TLSConfig, channel
 from specd.services.engine.drafters import DraftRow, Proposal
@@ -70,7 +71,9 @@ OPEN_AT_ADMISSION_WITHIN_STEPS = 8
 
 # Drafting ahead is off unless asked for (--draft-ahead on): it pays when the draft has cores of its
 # own (specd serve --pin-cores, separate machines); on shared cores its extra steps take the
-# target's cycles. README, "Drafting ahead", has the measurements this default rests on.
+# target's cycles, so even when asked for it is not used with a draft that competes with this
+# target for its cores or accelerator (affinity.competes). README, "Drafting ahead", has the
+# measurements this default rests on.
 DRAFT_AHEAD_DEFAULT = False
 
 
@@ -238,6 +241,7 @@ class DraftEndpoint:
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: _Stream | None = None
         self.info: grpc.Future | None = None  # InfoResponse, asked for with each new stream
+        self._placement: Placement | None = None  # from info
         self.opened: set[str] = set()  # sequences the draft holds on the current stream
         self.draining = False  # it refused a sequence because it is shutting down (this stream)
         self.retry_at = 0.0
@@ -254,16 +258,30 @@ class DraftEndpoint:
     @property
     def max_context(self) -> int | None:
         """The draft's longest sequence, once its Info has answered."""
+        info = self._info()
+        return None if info is None else info.max_context
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where the draft computes, once its Info has answered (None from a draft that does not say)."""
+        info = self._info()
+        if info is None or not info.HasField("placement"):
+            return None
+        if self._placement is None:
+            self._placement = placement_from_pb(info.placement)
+        return self._placement
+
+    def _info(self) -> common_pb2.InfoResponse | None:
         if self.info is None or not self.info.done() or self.info.exception() is not None:
             return None
-        return self.info.result().max_context
+        return self.info.result()
 
     def open_stream(self) -> None:
         """A new stream (and a new Info) if there is none and the backoff has passed."""
         if self.stream is not None or time.monotonic() < self.retry_at:
             return
         self.stream = _Stream(self.stub, self.address, self.states)
-        self.info = None
+        self.info = self._placement = None
         self.opened.clear()
         self.draining = False
 
@@ -292,7 +310,7 @@ class DraftEndpoint:
             self.stream.close()
             self.states.down(self.address, self.stream)
         self.stream = None
-        self.info = None
+        self.info = self._placement = None
         self.opened.clear()
         self.unwaited.clear()
 
@@ -334,6 +352,11 @@ class RemoteDrafter:
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # named as a draft names its own
+        # Where this target computes: drafting ahead is not asked of a draft that competes with it.
+        self.placement = Placement.of_this_process(torch.get_num_threads(), str(self.device))
+        self._competing: set[str] = set()  # draft addresses found competing (logged once each)
         self.on_failure = on_failure or (lambda address: None)
         self.states = states or StreamStates()
         self.endpoints = [DraftEndpoint(a, cfg, self.states) for a in cfg.addresses]
@@ -585,7 +608,7 @@ class RemoteDrafter:
 
         Only a plan made in the endpoint's latest round with rows still exists at the draft (a
         round without the sequence drops it), hence the round check."""
-        if not (self.cfg.draft_ahead and self.cfg.offer_prepared) or ep.stream is None:
+        if not (self.cfg.offer_prepared and self._drafts_ahead(ep)) or ep.stream is None:
             return [None] * len(asks)
         found: list[draft_pb2.Block | None] = []
         for r, k in asks:
@@ -612,6 +635,25 @@ class RemoteDrafter:
             )
         return found
 
+    def _drafts_ahead(self, ep: DraftEndpoint) -> bool:
+        """Whether to ask ``ep`` to draft ahead: asked for, and the draft does not compete with
+        this target for its compute (drafting in turn until its Info has answered; a draft whose
+        Info does not say where it computes is taken at the flag's word)."""
+        if not self.cfg.draft_ahead or ep.max_context is None:
+            return False
+        placement = ep.placement
+        if placement is not None and competes(self.placement, placement):
+            if ep.address not in self._competing:
+                self._competing.add(ep.address)
+                log.warning(
+                    "draft %s shares this target's compute (%s); drafting in turn with it, not ahead "
+                    "(specd serve --pin-cores gives each its own cores)",
+                    ep.address,
+                    placement.device if placement.device != "cpu" else f"cores {sorted(placement.cores)}",
+                )
+            return False
+        return True
+
     def _late(self, ep: DraftEndpoint, reply: draft_pb2.DraftBlocks) -> None:
         """The answer to a round verified from offered blocks: act on the errors it carries
         (a draft that no longer held an offered block dropped the sequence)."""
@@ -627,7 +669,7 @@ class RemoteDrafter:
         self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]], taken: list[bool]
     ) -> draft_pb2.DraftRound:
         msg = draft_pb2.DraftRound(
-            round_id=round_id, draft_ahead=self.cfg.draft_ahead, offer_prepared=self.cfg.offer_prepared
+            round_id=round_id, draft_ahead=self._drafts_ahead(ep), offer_prepared=self.cfg.offer_prepared
         )
         ep.last_round = round_id
         for (r, k), offer_taken in zip(asks, taken):

@@ -104,10 +104,9 @@ def loopback_drafter(
     worker, info = build_worker(
         DraftServerConfig(model=draft_dir, port=0, dtype="float32", support=support, max_sequences=256)
     )
+    info.ClearField("placement")  # in this process, it would compete with the target: not said
     servicer = DraftServicer(worker, info)
-    cfg = DraftClientConfig(
-        ("loopback:1",), round_timeout=60.0, draft_ahead=draft_ahead, offer_prepared=offer_prepared
-    )
+    cfg = DraftClientConfig(("loopback:1",), round_timeout=60.0, draft_ahead=draft_ahead, offer_prepared=offer_prepared)
     drafter = RemoteDrafter(cfg, vocab_size)
     ep = drafter.endpoints[0]
     ep.close()  # the stream opened to the unreachable address

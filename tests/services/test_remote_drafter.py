@@ -99,11 +99,28 @@ def test_remote_sparse_speculation_matches_target(micro_pair, micro_draft_servic
     assert _chi2_pvalue(counts, exact) > 1e-3
 
 
-@pytest.mark.parametrize("draft_ahead", [False, True], ids=["in-turn", "ahead"])
-def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_process, draft_ahead: bool) -> None:
+@pytest.mark.parametrize("way", ["in-turn", "ahead", "ahead-competing"])
+def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_process, way: str) -> None:
     """Greedy output equals the target alone, drafting in turn and drafting ahead (the draft
-    process steps its prepared blocks between rounds, over the real stream)."""
-    engine = _remote_engine(micro_pair, micro_draft_process, draft_ahead=draft_ahead)
+    process steps its prepared blocks between rounds, over the real stream). Drafting ahead is
+    asked of a draft only when it does not compete with the target for its cores: with this
+    target placed on another machine it is used, with it sharing the draft's cores it is not."""
+    import dataclasses
+
+    from specd.services.common.affinity import competes
+
+    engine = _remote_engine(micro_pair, micro_draft_process, draft_ahead=way != "in-turn")
+    drafter = engine.model_drafter
+    ep = drafter.endpoints[0]
+    ep.ask_info()
+    ep.info.result(timeout=30)
+    draft_at = ep.placement
+    assert draft_at is not None and draft_at.host_id == drafter.placement.host_id  # one machine here
+    if way == "ahead":
+        drafter.placement = dataclasses.replace(drafter.placement, host_id="another machine")
+    elif way == "ahead-competing":  # as many threads as the draft's cores, on those cores
+        drafter.placement = dataclasses.replace(draft_at, threads=len(draft_at.cores))
+        assert competes(drafter.placement, draft_at)
     try:
         prompts = [(3, 7, 5, 9), (1, 2, 3), (4, 4, 4, 4, 4), (11, 0, 6)]
         spec = engine.generate(
@@ -118,14 +135,14 @@ def test_remote_greedy_equals_target_alone(micro_pair, micro_draft_process, draf
                 for i, p in enumerate(prompts)
             ]
         )
-        sources = engine.model_drafter.blocks_by_source
+        sources = drafter.blocks_by_source
     finally:
         engine.close()
     assert sum(r.stats.proposed_tokens for r in spec.values()) > 0
     for i in range(len(prompts)):
         assert spec[f"s{i}"].token_ids == base[f"b{i}"].token_ids
     served_ahead = sources["prepared"] + sources["continued"] + sources["offered"]
-    assert served_ahead > 0 if draft_ahead else served_ahead == 0, sources
+    assert served_ahead > 0 if way == "ahead" else served_ahead == 0, sources
 
 
 def test_draft_asked_again_with_nothing_new_answers_and_keeps_the_stream(micro_draft_service) -> None:
