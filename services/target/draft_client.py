@@ -76,6 +76,14 @@ OPEN_AT_ADMISSION_WITHIN_STEPS = 8
 # measurements this default rests on.
 DRAFT_AHEAD_DEFAULT = False
 
+# Offered blocks (drafting ahead) spare the target its wait only in a round where every row found
+# one, which with a share p of outcomes guessed happens p ** rows of the time (p is about 0.7 on
+# the demo pair's code). Past this many rows on an endpoint its rounds do not ask for them, so
+# neither side pays for sending and reading them: pinned, 16 streams, demo pair, drafting ahead
+# over drafting in turn was 0.96 and 0.96 with offers up to 4 rows, 0.98 and 0.99 up to 1, 1.03
+# and 1.00 with none (docs/benchmarks.md, "Drafting ahead").
+OFFER_MAX_ROWS = 1
+
 
 @dataclass(frozen=True)
 class DraftClientConfig:
@@ -669,7 +677,9 @@ class RemoteDrafter:
         self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]], taken: list[bool]
     ) -> draft_pb2.DraftRound:
         msg = draft_pb2.DraftRound(
-            round_id=round_id, draft_ahead=self._drafts_ahead(ep), offer_prepared=self.cfg.offer_prepared
+            round_id=round_id,
+            draft_ahead=self._drafts_ahead(ep),
+            offer_prepared=self.cfg.offer_prepared and len(asks) <= OFFER_MAX_ROWS,
         )
         ep.last_round = round_id
         for (r, k), offer_taken in zip(asks, taken):

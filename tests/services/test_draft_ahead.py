@@ -25,6 +25,7 @@ from specd.services.engine.kv_cache import PagedKVCache
 from specd.services.engine.model import load_model
 from specd.services.engine.sampling import SamplingParams
 from specd.services.engine.sparse import to_dense
+from specd.services.target import draft_client
 from tests.engine.test_sampling_distribution import PROMPT, _chi2_pvalue
 from tests.services.loopback import loopback_drafter
 from tests.tiny_models import build_micro_pair
@@ -280,10 +281,12 @@ def close_micro_pair(tmp_path_factory) -> tuple:
     return build_micro_pair(tmp_path_factory.mktemp("close-micro"), draft_noise=0.3)
 
 
-def test_sampling_law_with_drafting_ahead(close_micro_pair) -> None:
+def test_sampling_law_with_drafting_ahead(close_micro_pair, monkeypatch) -> None:
     """k = 1 and four tokens: the main line (all accepted, the draft's bonus), the second bonus and
-    the rejection branch all serve blocks in the later rounds; the joints of tokens 1-3 and 2-4
-    are the target's."""
+    the rejection branch all serve blocks in the later rounds, offered ahead of them (asked for at
+    every batch size here, not only a target's single rows); the joints of tokens 1-3 and 2-4 are
+    the target's."""
+    monkeypatch.setattr(draft_client, "OFFER_MAX_ROWS", 64)
     params = SamplingParams(temperature=0.6, top_p=0.95)
     exact = _exact_joint4(close_micro_pair[0], params)
     engine = _loopback_engine(close_micro_pair, draft_ahead=True)
@@ -310,10 +313,11 @@ def test_sampling_law_with_drafting_ahead(close_micro_pair) -> None:
     assert _chi2_pvalue(counts.sum(axis=0), exact.sum(axis=0)) > 1e-3
 
 
-def test_greedy_identity_and_seeded_repeats_with_drafting_ahead(tiny_pair) -> None:
+def test_greedy_identity_and_seeded_repeats_with_drafting_ahead(tiny_pair, monkeypatch) -> None:
     """Greedy output equals the target alone; seeded sampled output is token for token the same
-    drafting in turn, drafting ahead, and drafting ahead with offered blocks (the prepared blocks
-    are the blocks a fresh draft makes)."""
+    drafting in turn, drafting ahead, and drafting ahead with offered blocks (asked for at every
+    batch size here; the prepared blocks are the blocks a fresh draft makes)."""
+    monkeypatch.setattr(draft_client, "OFFER_MAX_ROWS", 64)
     prompts = [(5, 17, 99, 23), (1, 2, 3), (40, 40, 40, 40, 40), (11, 0, 6, 300)]
     greedy = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
     outs, sources = {}, {}
@@ -377,3 +381,20 @@ def test_an_offer_the_draft_no_longer_holds_reopens_the_sequence_and_output_is_u
     assert sources["offered"] > offered_before[0] >= 1, (sources, offered_before)
     assert spec["g"].token_ids == base["b"].token_ids
     assert worker.active == 0  # released at the end, nothing leaked
+
+
+def test_offers_are_asked_for_only_in_rounds_of_one_row(tiny_pair) -> None:
+    """Past OFFER_MAX_ROWS rows a round does not ask for offers (they rarely spare the wait there):
+    two sequences together are served from prepared blocks, none offered; one alone is offered."""
+    assert draft_client.OFFER_MAX_ROWS == 1
+    greedy = SamplingParams(0.0, max_tokens=24, ignore_eos=True)
+    sources = {}
+    for n in (2, 1):
+        engine = _loopback_engine(tiny_pair, draft_ahead=True)
+        try:
+            engine.generate([Request(f"g{i}", (5, 17, 99, 23 + i), greedy, SpecConfig("draft", 4)) for i in range(n)])
+            sources[n] = dict(engine.model_drafter.blocks_by_source)
+        finally:
+            engine.model_drafter.close()
+    assert sources[2]["offered"] == 0 and sources[2]["prepared"] > 0, sources
+    assert sources[1]["offered"] > 0, sources
