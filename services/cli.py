@@ -561,7 +561,7 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
 
 
 def _add_draft_ahead_arg(p: argparse.ArgumentParser) -> None:
-    from specd.services.target.draft_client import DRAFT_AHEAD_DEFAULT
+    from specd.services.common.constants import DRAFT_AHEAD_DEFAULT
 
     default = "on" if DRAFT_AHEAD_DEFAULT else "off"
     p.add_argument(

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specd.services.common.affinity import CorePlan, pin_then
-from specd.services.common.constants import DEFAULT_DTYPE
+from specd.services.common.constants import DEFAULT_DTYPE, DRAFT_AHEAD_DEFAULT
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT
 from specd.services.common.process import die_with_parent, specd_command
 
@@ -49,7 +49,7 @@ class ServeConfig:
     kv_cache_memory: int | None = None  # bytes of each model's KV pool; None: the services' default
     prefill_chunk: int | None = None  # None: the services' default
     startup_timeout: float = 300.0
-    draft_ahead: bool = False  # the draft prepares each sequence's next block while the target verifies
+    draft_ahead: bool = DRAFT_AHEAD_DEFAULT  # the draft prepares each sequence's next block while the target verifies
     pin_cores: CorePlan | None = None  # draft + gateway and the target on disjoint cores (None: unpinned)
 
 

@@ -35,6 +35,13 @@ def default_num_tokens(method: str) -> int:
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DEFAULT_DTYPE = "bfloat16"
 
+# Drafting ahead (--draft-ahead on|off on target and serve): the draft prepares each sequence's next
+# block while the target verifies (services/draft/ahead.py). On by default since blocks are offered
+# ahead of the round and a target never asks it of a draft that competes with it for cores or an
+# accelerator (affinity.competes): unpinned on one machine it stays in turn; with cores of its own
+# it won at one stream and tied at 16 (docs/benchmarks.md, "Drafting ahead").
+DRAFT_AHEAD_DEFAULT = True
+
 # How a draft made a block of guesses: drafted when the round came, drafted ahead and complete,
 # drafted ahead in part and finished when the round came, or drafted ahead and sent before the
 # round, so the target did not wait for it (services/draft/ahead.py). Metric labels.

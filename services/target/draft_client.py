@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from specd.services.common.affinity import Placement, competes
-from specd.services.common.constants import BLOCK_SOURCES, CATCH_UP_TOKENS
+from specd.services.common.constants import BLOCK_SOURCES, CATCH_UP_TOKENS, DRAFT_AHEAD_DEFAULT
 from specd.services.common.convert import placement_from_pb, sampling_to_pb
 from specd.services.common.grpc_server import CHANNEL_OPTIONS
 from specd.services.common.tls import TLSConfig, channel
@@ -69,12 +69,6 @@ def _unseen(row: draft_pb2.ProposeRow) -> int:
 # when their draft was down at admission.
 OPEN_AT_ADMISSION_WITHIN_STEPS = 8
 
-# Drafting ahead is off unless asked for (--draft-ahead on): it pays when the draft has cores of its
-# own (specd serve --pin-cores, separate machines); on shared cores its extra steps take the
-# target's cycles, so even when asked for it is not used with a draft that competes with this
-# target for its cores or accelerator (affinity.competes). README, "Drafting ahead", has the
-# measurements this default rests on.
-DRAFT_AHEAD_DEFAULT = False
 
 # Offered blocks (drafting ahead) spare the target its wait only in a round where every row found
 # one, which with a share p of outcomes guessed happens p ** rows of the time (p is about 0.7 on

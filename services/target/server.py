@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from specd.services.common.config import ServiceConfig
-from specd.services.common.constants import DEFAULT_SPECULATION_METHOD, MAX_SPECULATIVE_TOKENS
+from specd.services.common.constants import DEFAULT_SPECULATION_METHOD, DRAFT_AHEAD_DEFAULT, MAX_SPECULATIVE_TOKENS
 from specd.services.common.discovery import resolve_all
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
 from specd.services.common.grpc_server import start_metrics_server
@@ -49,7 +49,7 @@ class TargetServerConfig(ServiceConfig):
     quantize: str | None = None  # "int8" | "int4": serve the target quantized at load
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     tls: TLSConfig | None = None  # mutual TLS for this server and for its channels to the drafts
-    draft_ahead: bool = False  # the drafts prepare each sequence's next block while this target verifies
+    draft_ahead: bool = DRAFT_AHEAD_DEFAULT  # the drafts prepare each sequence's next block while this target verifies
 
     @property
     def admission(self) -> Admission:
