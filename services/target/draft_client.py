@@ -69,7 +69,6 @@ def _unseen(row: draft_pb2.ProposeRow) -> int:
 # when their draft was down at admission.
 OPEN_AT_ADMISSION_WITHIN_STEPS = 8
 
-
 # Offered blocks (drafting ahead) spare the target its wait only in a round where every row found
 # one, which with a share p of outcomes guessed happens p ** rows of the time (p is about 0.7 on
 # the demo pair's code). Past this many rows on an endpoint its rounds do not ask for them, so
@@ -619,7 +618,7 @@ class RemoteDrafter:
             if not offers or r.seq_id not in ep.opened or st.asked_round != ep.last_round:
                 found.append(None)
                 continue
-            assumed = r.tokens[st.known :]
+            assumed = list(r.tokens[st.known :])
             seed = 0 if r.seed is None else st.next_seed
             found.append(
                 next(
