@@ -608,11 +608,8 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                                 "speedup_in_turn": round(off / base, 3),
                                 "speedup_ahead": round(on / base, 3),
                                 "ahead_vs_in_turn": round(on / off, 3),
-                                **{
-                                    f"{name}_share": None if shares is None else round(shares[name], 3)
-                                    for shares in [prepared.get((layout, True))]
-                                    for name in ("prepared", "offered")
-                                },
+                                "prepared_share": _share(prepared.get((layout, True)), "prepared"),
+                                "offered_share": _share(prepared.get((layout, True)), "offered"),
                             }
                         )
     per_mode = {}
@@ -651,6 +648,10 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
         "block_shares": {f"{layout}, {_way(a)}": v for (layout, a), v in prepared.items()},
         "concurrency_1": per_mode,
     }
+
+
+def _share(shares: dict[str, float] | None, name: str) -> float | None:
+    return None if shares is None else round(shares[name], 3)
 
 
 def render(doc: dict) -> str:

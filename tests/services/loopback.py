@@ -5,8 +5,8 @@ For the statistical and exactness tests of drafting ahead, which need thousands 
 seconds and a deterministic schedule: after answering each round this draft finishes every block it
 prepares before it reads the next one (a draft with time to spare), so every guessed outcome is
 served from a prepared block; with offers on, those blocks ride on the round's answer (a real draft
-sends them in messages of their own as each completes), so the target verifies every guessed
-outcome from an offered block. The network path itself is covered by the tests that start a real
+sends them in messages of their own as each completes), so in rounds that ask for offers the target
+verifies every guessed outcome from an offered block. The network path itself is covered by the tests that start a real
 ``specd draft`` process (tests/services/test_remote_drafter.py, tests/e2e/).
 """
 
