@@ -24,6 +24,7 @@ Used only from the engine thread, except for one reader thread per stream and :c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -242,7 +243,6 @@ class DraftEndpoint:
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.stream: _Stream | None = None
         self.info: grpc.Future | None = None  # InfoResponse, asked for with each new stream
-        self._placement: Placement | None = None  # from info
         self.opened: set[str] = set()  # sequences the draft holds on the current stream
         self.draining = False  # it refused a sequence because it is shutting down (this stream)
         self.retry_at = 0.0
@@ -268,9 +268,7 @@ class DraftEndpoint:
         info = self._info()
         if info is None or not info.HasField("placement"):
             return None
-        if self._placement is None:
-            self._placement = placement_from_pb(info.placement)
-        return self._placement
+        return placement_from_pb(info.placement)
 
     def _info(self) -> common_pb2.InfoResponse | None:
         if self.info is None or not self.info.done() or self.info.exception() is not None:
@@ -282,7 +280,7 @@ class DraftEndpoint:
         if self.stream is not None or time.monotonic() < self.retry_at:
             return
         self.stream = _Stream(self.stub, self.address, self.states)
-        self.info = self._placement = None
+        self.info = None
         self.opened.clear()
         self.draining = False
 
@@ -311,7 +309,7 @@ class DraftEndpoint:
             self.stream.close()
             self.states.down(self.address, self.stream)
         self.stream = None
-        self.info = self._placement = None
+        self.info = None
         self.opened.clear()
         self.unwaited.clear()
 
@@ -464,11 +462,12 @@ class RemoteDrafter:
         for asks in by_ep.values():
             ep = self.seqs[rows[asks[0][0]].seq_id].endpoint
             if ep.unwaited:
-                ep.stream.drain(lambda reply, ep=ep: self._late(ep, reply))
+                ep.stream.drain(functools.partial(self._late, ep))
             asked = [(rows[i], k) for i, k in asks]
-            taken = self._offered(ep, asked)
+            ahead = self._drafts_ahead(ep)
+            taken = self._offered(ep, asked) if ahead else [None] * len(asked)
             round_id = next(self._round_ids)
-            msg = self._round_msg(ep, round_id, asked, [b is not None for b in taken])
+            msg = self._round_msg(ep, round_id, asked, ahead, [b is not None for b in taken])
             # Rows with many tokens to catch up (an opened sequence makes the draft prefill instead).
             caught_up += sum(max(0, _unseen(r) - CATCH_UP_TOKENS) for r in msg.rows)
             timed = timed and not msg.open
@@ -482,7 +481,7 @@ class RemoteDrafter:
         deadline = t0 + self.cfg.round_timeout
         blocks: dict[int, draft_pb2.Block] = dict(offered)  # row -> its block
         for ep, round_id, idx in pending:
-            late = lambda reply, ep=ep: self._late(ep, reply)  # noqa: E731
+            late = functools.partial(self._late, ep)
             reply = ep.stream.receive(round_id, deadline, late) if ep.stream is not None else None
             if reply is None:
                 self._failed(ep, "it did not answer")
@@ -605,11 +604,11 @@ class RemoteDrafter:
     def _offered(self, ep: DraftEndpoint, asks: list[tuple[DraftRow, int]]) -> list[draft_pb2.Block | None]:
         """Per row, the block its draft offered for its exact outcome (its committed tokens since
         its last round, this round's seed, at least k guesses), or None. The rows' offers are
-        spent either way: after this round none can match.
+        spent either way: after this round none can match. Asked only of a draft drafting ahead.
 
         Only a plan made in the endpoint's latest round with rows still exists at the draft (a
         round without the sequence drops it), hence the round check."""
-        if not (self.cfg.offer_prepared and self._drafts_ahead(ep)) or ep.stream is None:
+        if not self.cfg.offer_prepared or ep.stream is None:
             return [None] * len(asks)
         found: list[draft_pb2.Block | None] = []
         for r, k in asks:
@@ -667,11 +666,11 @@ class RemoteDrafter:
                 self._draft_error(b.sequence_id, st, b.error)
 
     def _round_msg(
-        self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]], taken: list[bool]
+        self, ep: DraftEndpoint, round_id: int, asks: list[tuple[DraftRow, int]], ahead: bool, taken: list[bool]
     ) -> draft_pb2.DraftRound:
         msg = draft_pb2.DraftRound(
             round_id=round_id,
-            draft_ahead=self._drafts_ahead(ep),
+            draft_ahead=ahead,
             offer_prepared=self.cfg.offer_prepared and len(asks) <= OFFER_MAX_ROWS,
         )
         ep.last_round = round_id
