@@ -558,7 +558,8 @@ class LlamaLM:
             vals = layout.read(cv).transpose(1, 2)
             qg = q.transpose(1, 2).reshape(B, Hkv, G * T, D)
             attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)  # [B, Hkv, G*T, D]
-            x = x + layer.o(attn.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
+            # reshape, not view: a CUDA kernel may hand back attn with other strides (a view failed there).
+            x = x + layer.o(attn.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D))
             h = _rms_norm(x, layer.mlp_norm, s.rms_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

@@ -53,10 +53,11 @@ def _exact_joint(target_dir, params: SamplingParams) -> np.ndarray:
     return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
 
 
-def _sample_joint(pair, params: SamplingParams, method: str = "draft") -> np.ndarray:
+def _sample_joint(pair, params: SamplingParams, method: str = "draft", device: str = "cpu") -> np.ndarray:
     target, draft = pair
     engine = build_engine(
-        ModelSpec(str(target), str(draft), "float32", "float32"), EngineConfig(max_batch_size=64, max_model_len=64)
+        ModelSpec(str(target), str(draft), "float32", "float32", device=device),
+        EngineConfig(max_batch_size=64, max_model_len=64),
     )
     V = engine.target.info.vocab_size
     reqs = [
