@@ -50,6 +50,7 @@ import torch
 from specd.services.engine.drafters import ModelDrafter
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import to_sparse, truncate_probs
+from specd.services.engine.transfer import to_device
 
 # Most branches per sequence: the main line, the second bonus token, and rejections at positions
 # 1..6 (past those a rejection is rarely the outcome).
@@ -331,7 +332,7 @@ class AheadLane:
         cache = self.drafter.cache
         slots = [self.drafter.slot_of(h) for h in holders]
         logits = model.forward(
-            torch.tensor(feeds, dtype=torch.long, device=device).view(-1, 1),
+            to_device(feeds, device, torch.long).view(-1, 1),
             cache,
             cache.layout(slots, positions, 1, device),
             "all",
@@ -343,12 +344,12 @@ class AheadLane:
         ids = probs = None
         if sampled:
             # The same processing, truncation and inverse-CDF draw as ModelDrafter._propose.
-            idx = torch.tensor(sampled, device=device)
+            idx = to_device(sampled, device)
             sampling = BatchSampling.from_params([rows[i][0].params for i in sampled], device)
             q = processed_probs(logits[idx].unsqueeze(1), sampling)[:, 0]
             if self.support:
                 q = truncate_probs(q, self.support)
-            u = torch.stack([rows[i][0].u[len(rows[i][1].tokens)] for i in sampled]).to(device)
+            u = to_device(torch.stack([rows[i][0].u[len(rows[i][1].tokens)] for i in sampled]), device)
             tokens[idx] = sample_from(q, u)
             ids, probs = (t.cpu().numpy() for t in to_sparse(q, self.support))
         top2 = logits.topk(2, dim=-1).indices  # [R, 2]: the bonus branches' tokens, and each guess's runner-up

@@ -25,6 +25,7 @@ from specd.services.engine.model import CausalLM
 from specd.services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import SparseProbs, truncate_probs
+from specd.services.engine.transfer import to_device
 from specd.services.engine.warmup import warm_up
 
 
@@ -343,7 +344,7 @@ class ModelDrafter:
         if not ok:
             return Proposal(token_ids[:, :0], None)
         part = self._propose([rows[i] for i in ok], sampling.select(ok) if sampling is not None else None, alternatives)
-        idx = torch.tensor(ok, device=self.model.device)
+        idx = to_device(ok, self.model.device)
         width = part.token_ids.shape[1]
         token_ids[idx, :width] = part.token_ids
         probs = alts = None
@@ -375,13 +376,14 @@ class ModelDrafter:
         inp = torch.zeros((B, M), dtype=torch.long)
         for i, p in enumerate(pending):
             inp[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        last_idx = torch.tensor([len(p) - 1 for p in pending], device=device)
+        last_idx = to_device([len(p) - 1 for p in pending], device)
         starts = [s.cache_len for s in states]
-        greedy = torch.tensor([r.greedy for r in rows], device=device)
+        greedy = to_device([r.greedy for r in rows], device)
         any_sampled = not all(r.greedy for r in rows)
         u = uniforms((K,), [r.seed for r in rows], B, device) if any_sampled else None  # [B, K]
 
-        logits = self.model.forward(inp.to(device), self.cache, self.cache.layout(slots, starts, M, device), "all")
+        layout = self.cache.layout(slots, starts, M, device)
+        logits = self.model.forward(to_device(inp, device), self.cache, layout, "all")
         logits = logits[torch.arange(B, device=device), last_idx].unsqueeze(1)  # [B, 1, V]
         tokens, probs, alts = [], [], []
         for j in range(K):
@@ -404,7 +406,7 @@ class ModelDrafter:
             s.last_n = len(r.tokens)
             s.fed_until = len(r.tokens) + K - 1
         token_ids = torch.stack(tokens, dim=1)  # [B, K]
-        ks = torch.tensor([r.k for r in rows], device=device)
+        ks = to_device([r.k for r in rows], device)
         token_ids = torch.where(torch.arange(K, device=device)[None, :] < ks[:, None], token_ids, -1)
         return Proposal(
             token_ids,

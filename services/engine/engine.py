@@ -63,6 +63,7 @@ from specd.services.engine.rejection import greedy_verify, rejection_sample
 from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed, make_generator, processed_probs
 from specd.services.engine.sparse import SparseProbs
 from specd.services.engine.stats import SpecStats
+from specd.services.engine.transfer import to_device
 from specd.services.engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -332,7 +333,7 @@ class Engine:
         from_model = [d == MODEL for d in drafted]
         t1 = time.perf_counter()
         K = guesses.shape[1]
-        last = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
+        last = to_device([[s.tokens[-1]] for s in seqs], self.device)
         inputs = torch.cat([last, guesses.clamp_min(0)], dim=1)  # [B, K+1], stays on the device
         layout = self.cache.layout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
         logits = self.target.forward(inputs, self.cache, layout, "all")  # [B, K+1, V]
@@ -642,18 +643,19 @@ class Engine:
         guesses = torch.full((B, K), -1, dtype=torch.long)
         for i, g in matched.items():
             guesses[i, : g.shape[0]] = g
-        guesses = guesses.to(self.device)
+        guesses = to_device(guesses, self.device)
         q: torch.Tensor | None = None
         if model_prop is not None:
-            idx_t = torch.tensor(model_idx, device=self.device)
-            guesses[idx_t, :width_model] = model_prop.token_ids.to(self.device)
+            idx_t = to_device(model_idx, self.device)
+            guesses[idx_t, :width_model] = to_device(model_prop.token_ids, self.device)
             if isinstance(model_prop.probs, SparseProbs):
                 # q crossed the network sparse: densified once, straight into the round's q.
                 sp = model_prop.probs
                 q = torch.zeros((B, K, self.target.info.vocab_size), device=self.device)
                 ids = torch.zeros((B, K, sp.ids.shape[-1]), dtype=torch.long, device=self.device)
                 probs = torch.zeros(ids.shape, device=self.device)
-                ids[idx_t, :width_model], probs[idx_t, :width_model] = sp.ids.to(self.device), sp.probs.to(self.device)
+                ids[idx_t, :width_model] = to_device(sp.ids, self.device)
+                probs[idx_t, :width_model] = to_device(sp.probs, self.device)
                 q.scatter_add_(-1, ids, probs)
             elif model_prop.probs is not None:
                 q = torch.zeros((B, K, model_prop.probs.shape[-1]), device=self.device)
@@ -687,7 +689,7 @@ class Engine:
         num_emitted = torch.zeros(B, dtype=torch.long, device=self.device)
         greedy_rows = [i for i, s in enumerate(seqs) if s.req.params.greedy]
         if greedy_rows:
-            g = torch.tensor(greedy_rows, device=self.device)
+            g = to_device(greedy_rows, self.device)
             t, n = greedy_verify(logits[g], guesses[g])
             token_ids[g], num_emitted[g] = t, n
         # Sampled rows: model-drafted ones compare against q; n-gram / no-guess rows are point masses.
@@ -696,7 +698,7 @@ class Engine:
             rows = [i for i in sampled if from_model[i] == with_q]
             if not rows:
                 continue
-            r = torch.tensor(rows, device=self.device)
+            r = to_device(rows, self.device)
             p = processed_probs(logits[r], sampling.select(rows))  # [b, K+1, V]
             # q is None when no model row got guesses this round (every draft service down, say):
             # those rows verify no guesses, so there is nothing to compare against.

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from specd.services.engine.kv_cache import BlockTable, SlotAllocator, kv_bytes
+from specd.services.engine.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,12 @@ class BatchLayout:
     @functools.cached_property
     def positions(self) -> torch.Tensor:
         """[B, T]: each row's positions."""
-        start_t = torch.tensor(self.starts, dtype=torch.long, device=self.device)
+        start_t = to_device(self.starts, self.device, torch.long)
         return start_t[:, None] + torch.arange(self.T, device=self.device)[None, :]
 
     @functools.cached_property
     def _slot_t(self) -> torch.Tensor:
-        return torch.tensor(self.slots, dtype=torch.long, device=self.device)
+        return to_device(self.slots, self.device, torch.long)
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
@@ -125,7 +126,7 @@ class PagedLayout(BatchLayout):
         """(read, write) pool rows of the S attended positions of every row and of the T new ones."""
         B, bs = len(self.slots), self.block_size
         nb = -(-self.S // bs)
-        tab = self.table[:, :nb].to(self.device)
+        tab = to_device(self.table[:, :nb], self.device)
         idx = (tab[:, :, None] * bs + torch.arange(bs, device=self.device)).view(B, nb * bs)[:, : self.S]
         return idx.reshape(-1), idx.gather(1, self.positions).reshape(-1)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.services.engine.errors import RequestError
+from specd.services.engine.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,16 @@ class BatchSampling:
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> BatchSampling:
         truncating = tuple(p.truncates for p in params)
         return cls(
-            temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
+            temperature=to_device([p.temperature if not p.greedy else 1.0 for p in params], device, torch.float32),
+            top_k=to_device([p.top_k for p in params], device, torch.long),
+            top_p=to_device([p.top_p for p in params], device, torch.float32),
             needs_sort=any(truncating),
             truncating=truncating,
         )
 
     def select(self, rows: Sequence[int]) -> BatchSampling:
         """The same settings for a subset of the rows (sorting only if one of those needs it)."""
-        idx = torch.tensor(rows, device=self.temperature.device)
+        idx = to_device(rows, self.temperature.device)
         truncating = tuple(self.truncating[i] for i in rows) if self.truncating else ()
         needs_sort = any(truncating) if self.truncating else self.needs_sort
         return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], needs_sort, truncating)
@@ -162,7 +163,7 @@ def uniforms(
         return torch.rand((batch, *shape_tail), dtype=torch.float64, device=device)
     if isinstance(generator, torch.Generator):
         u = torch.rand((batch, *shape_tail), generator=generator, dtype=torch.float64, device=generator.device)
-        return u.to(device)
+        return to_device(u, device)
     # A None entry (a greedy row beside sampled ones) draws from the global generator; its values go unused.
     generator = [make_generator(g) if isinstance(g, int) else g for g in generator]
     draws = [
@@ -171,7 +172,9 @@ def uniforms(
     ]
     if all(d.device == device for d in draws):
         return torch.stack(draws)
-    return torch.stack([d.to(device) for d in draws])
+    if all(d.device.type == "cpu" for d in draws):
+        return to_device(torch.stack(draws), device)  # one copy for the batch
+    return torch.stack([to_device(d, device) for d in draws])
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

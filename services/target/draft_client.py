@@ -45,6 +45,7 @@ from specd.services.common.tls import TLSConfig, channel
 from specd.services.engine.drafters import DraftRow, Proposal
 from specd.services.engine.sampling import BatchSampling, SamplingParams, draw_seed, make_generator
 from specd.services.engine.sparse import SparseProbs
+from specd.services.engine.transfer import to_device
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -510,9 +511,9 @@ class RemoteDrafter:
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
         if width == 0:
-            return Proposal(token_ids[:, :0].to(self.device), None, caught_up=caught_up, timed=timed)
+            return Proposal(to_device(token_ids[:, :0], self.device), None, caught_up=caught_up, timed=timed)
         probs = self._sparse_q(blocks, rows, len(rows), width) if any_sampled else None
-        return Proposal(token_ids[:, :width].to(self.device), probs, caught_up=caught_up, timed=timed)
+        return Proposal(to_device(token_ids[:, :width], self.device), probs, caught_up=caught_up, timed=timed)
 
     def close(self) -> None:
         for e in self.endpoints:
