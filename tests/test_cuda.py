@@ -3,7 +3,8 @@
 The same proofs as on the CPU, with every model on ``cuda``: greedy output equals the target alone
 for each method, in the engine, with a real ``specd draft`` process (in turn and drafting ahead),
 and through the whole stack (gateway, target and draft processes over loopback); the sampled law
-(chi-square against the exact joint law); nothing left in the KV pools afterwards. float32
+(chi-square against the exact joint law); nothing left in the KV pools afterwards; one torch
+synchronization per round (services/engine/transfer.py says why). float32
 throughout, where speculation is exact; ``tests/engine/test_sampling_devices.py`` has the sampled
 path's seeded repeat on CUDA.
 """
@@ -73,7 +74,7 @@ def test_greedy_on_cuda_equals_target_alone(cuda_engine: Engine, k: int) -> None
 
 
 def _syncs(engine: Engine, reqs: list[Request], rounds: int) -> int:
-    """Host waits for the GPU in ``rounds`` decode rounds, counted by torch's sync debug mode."""
+    """torch's synchronizations with the GPU in ``rounds`` decode rounds (its sync debug mode)."""
     for r in reqs:
         engine.add_request(r)
     for _ in range(3):  # admission, prefill, a first round
@@ -95,9 +96,9 @@ def _syncs(engine: Engine, reqs: list[Request], rounds: int) -> int:
 
 
 @pytest.mark.parametrize("method", ("none", *METHODS))
-def test_a_greedy_round_waits_for_the_gpu_once(cuda_engine: Engine, method: str) -> None:
-    """The round's one host sync is where it reads its tokens; every host-to-GPU copy on the way
-    (inputs, layouts, block tables, guesses) is queued behind the kernels, not waited for."""
+def test_torch_synchronizes_once_in_a_greedy_round(cuda_engine: Engine, method: str) -> None:
+    """The round's one synchronization is where it reads its tokens: no host-to-GPU copy on the
+    way (inputs, layouts, block tables, guesses) makes torch wait for the queued kernels."""
     k = 0 if method == "none" else 4
     reqs = [
         Request(f"sync-{method}-{i}", _ids(cuda_engine, p), _greedy(64), SpecConfig(method, k))

@@ -1,12 +1,14 @@
-"""Host data onto a model's device without making the host wait for the GPU.
+"""Host data onto a model's device without asking the host to wait for the GPU.
 
-A plain host-to-GPU copy (``torch.tensor(..., device="cuda")``, ``t.to("cuda")``) returns only once
-every kernel queued before it has run: each one in a round drains the GPU's queue. Counted on an
-H200 with torch's sync debug mode (tests/test_cuda.py), a greedy target-only round waited 5 times,
-one with the draft model 19 times and a sampled one 30; with these copies every round waits once,
-where it reads its tokens. A non-blocking copy from ordinary (pageable) memory is staged by the
-driver before the call returns, so the source may be dropped at once; pinning each small tensor
-first was measured slower on the tiny test pair. On the CPU nothing changes.
+A plain host-to-GPU copy (``torch.tensor(..., device="cuda")``, ``t.to("cuda")``) makes torch
+synchronize the stream after it: the host waits for every kernel queued before. Counted on an H200
+with torch's sync debug mode (tests/test_cuda.py), a greedy target-only round did that 5 times, one
+with the draft model 19 times and a sampled one 30; with these copies torch synchronizes once a
+round, where it reads the round's tokens. A non-blocking copy from ordinary (pageable) memory is
+complete or staged by the CUDA driver when the call returns (the driver may still wait on the stream
+to stage it, which torch's count cannot see), so the source may change at once. Pinning each small
+tensor first was measured slower on the tiny test pair, and this version was not shown faster than
+the plain copies there either (docs/tests.md). On the CPU nothing changes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 def to_device(data: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``data`` (a list, a number or a tensor) as a tensor on ``device``, copied from the host
-    without waiting for the work already queued on a GPU."""
+    without a stream synchronization of torch's own."""
     device = torch.device(device)
     if isinstance(data, torch.Tensor) and data.device.type != "cpu":
         return data.to(device=device, dtype=dtype)
