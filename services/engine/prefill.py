@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.services.engine.transfer import to_device
+
 # The largest prefill pass (``--prefill-chunk``): an idle engine prefills a 2,000-token prompt in 4.
 DEFAULT_PREFILL_CHUNK = 512
 # While sequences decode, a pass takes about as many tokens as the decode round verifies, but at
@@ -67,4 +69,4 @@ def prefill_pass(model, cache, rows: Sequence[PrefillRow]) -> None:
     for i, r in enumerate(rows):
         inp[i, : len(r.ids)] = torch.as_tensor(r.ids, dtype=torch.long)
     layout = cache.layout([r.slot for r in rows], [r.start for r in rows], T, model.device)
-    model.forward(inp.to(model.device), cache, layout, "none")
+    model.forward(to_device(inp, model.device), cache, layout, "none")
