@@ -28,19 +28,12 @@ from specd.services.engine.model import load_model
 from specd.services.engine.sampling import SamplingParams
 from specd.services.target.draft_client import DraftClientConfig, RemoteDrafter
 from tests.e2e.processes import Stack, free_port, spawn, stop_process, wait_grpc
+from tests.engine.test_engine import _greedy, _ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROMPTS = ("def binary_search(items, target):", "class Stack:\n    def __init__(self):", "for i in range(10):")
 METHODS = ("draft", "ngram", "hybrid", "auto")
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def _ids(engine: Engine, text: str) -> tuple[int, ...]:
-    return tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _assert_pools_empty(engine: Engine) -> None:
