@@ -72,6 +72,19 @@ def prompts(fp32_engine) -> list[tuple[int, ...]]:
     ]
 
 
+@pytest.fixture(scope="module")
+def references(hf_target, prompts) -> list[list[int]]:
+    """transformers' float32 greedy tokens per prompt, made once for every method's test."""
+    refs = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf_target.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        refs.append(out[0, len(ids) :].tolist())
+    return refs
+
+
 def test_demo_models_are_standard_hf_checkpoints(demo_pair) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,14 +112,10 @@ def _tie_gap(hf, ids: tuple[int, ...], upto: list[int]) -> float:
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "hybrid", "auto"])
-def test_greedy_speculation_is_token_identical_to_transformers(fp32_engine, hf_target, prompts, method) -> None:
-    refs = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf_target.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-        refs.append(out[0, len(ids) :].tolist())
+def test_greedy_speculation_is_token_identical_to_transformers(
+    fp32_engine, hf_target, prompts, references, method
+) -> None:
+    refs = references
     ties, failures = [], []
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     accepted = 0
