@@ -63,6 +63,10 @@ def onednn_bf16_prepack_supported() -> bool:
 
 
 QUANTIZE_MODES = ("int8", "int4")
+# Rows up to which fp32 layers use our kernel, beyond which torch's (MKL's) matmul is faster: measured on
+# the 2-core Zen 3 VM ([M, 1536] x [1536, 8960] and its transpose), ours was 2-4x faster at 2-8 rows,
+# level at 16-24 and 1.3-2x slower from 60.
+F32_KERNEL_MAX_ROWS = 32
 INT4_GROUP = 32  # weights per (scale, min) pair; the kernel's layout depends on it
 
 
@@ -189,7 +193,7 @@ def dequantize_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 class Linear:
     """y = x W^T (+ b): through oneDNN with a weight packed once at load time (``prepack``), through
-    our AVX2 bf16 kernel (``kernel``, :mod:`specd.services.engine.kernels`), through the int8 or int4
+    our AVX2 bf16 or fp32 kernel (``kernel``, :mod:`specd.services.engine.kernels`), through the int8 or int4
     kernel with the weight quantized at load (``quantize="int8"`` / ``"int4"``), or through ``F.linear``."""
 
     def __init__(
@@ -224,6 +228,8 @@ class Linear:
             weight, *scales = ready
             self.scales = tuple(scales)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.prepacked else weight
+        # fp32 (only decoding's few rows beat MKL's sgemm; at many rows its blocked GEMM wins)
+        self.kernel_max_rows = F32_KERNEL_MAX_ROWS if weight.dtype == torch.float32 else None
 
     @classmethod
     def from_int4_records(cls, records: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -232,7 +238,7 @@ class Linear:
         from specd.services.engine import kernels
 
         lin = cls.__new__(cls)
-        lin.bias, lin.scales, lin.prepacked, lin.weight = bias, (), False, records
+        lin.bias, lin.scales, lin.prepacked, lin.weight, lin.kernel_max_rows = bias, (), False, records, None
         lin.kernel = kernels.int4_linear()
         if lin.kernel is None:
             raise ValueError("int4 weights need the AVX2 kernels, which are unavailable on this machine")
@@ -243,7 +249,7 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.scales:
             return self.kernel(x, self.weight, *self.scales, self.bias)
-        if self.kernel is not None:
+        if self.kernel is not None and (self.kernel_max_rows is None or x.numel() <= self.kernel_max_rows * x.shape[-1]):
             return self.kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -333,15 +339,14 @@ class LlamaLM:
         self.dtype = dtype
         self.device = torch.device(device)
         kernel = None
-        if prepack is not True and self.device.type == "cpu" and dtype == torch.bfloat16:
-            from specd.services.engine.kernels import bf16_linear
+        if prepack is not True and self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+            from specd.services.engine.kernels import bf16_linear, f32_linear
 
-            kernel = bf16_linear()  # None where it does not apply
+            kernel = bf16_linear() if dtype == torch.bfloat16 else f32_linear()  # None where it does not apply
         if prepack is None:
             # bf16 on a CPU: our AVX2 kernels and the fused forward wherever they build (batch invariant
             # end to end, so bf16 speculation is exact against the same model alone; oneDNN's packed
-            # matmul and bf16 attention are not), else oneDNN's packing where the CPU has it. fp32 stays
-            # on plain matmuls so identity tests compare against transformers with the same kernels.
+            # matmul and bf16 attention are not), else oneDNN's packing where the CPU has it.
             prepack = kernel is None and self.device.type == "cpu" and dtype == torch.bfloat16
             prepack = prepack and onednn_bf16_prepack_supported()
         if prepack:
@@ -349,7 +354,8 @@ class LlamaLM:
         self.prepacked = prepack
         if quantize is not None and (quantize not in QUANTIZE_MODES or self.device.type != "cpu"):
             raise ValueError(f"weight quantization {quantize!r} is not available on {self.device.type}")
-        self.kernel_name = "onednn-prepacked" if prepack else ("specd-avx2-bf16" if kernel else "torch")
+        kernel_dtype = "bf16" if dtype == torch.bfloat16 else "f32"
+        self.kernel_name = "onednn-prepacked" if prepack else (f"specd-avx2-{kernel_dtype}" if kernel else "torch")
         if quantize:
             self.kernel_name = f"specd-avx2-{quantize}"
 

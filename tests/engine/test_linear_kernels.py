@@ -1,4 +1,4 @@
-"""The AVX2 bf16 linear kernel (services/engine/kernels): accurate, and batch invariant (each row's
+"""The AVX2 linear kernels (services/engine/kernels): accurate, and batch invariant (each row's
 result is bit-identical whatever else is in the batch), which exact speculation relies on."""
 
 from __future__ import annotations
@@ -64,6 +64,42 @@ def test_a_bf16_model_uses_it_by_default() -> None:
 
     ours = load_llama(random_hf_model("llama", hidden_size=64, num_attention_heads=4), torch.bfloat16, "cpu", None)
     assert ours.kernel_name == "specd-avx2-bf16" and ours.forward_path == "fused"
+
+
+def test_f32_matches_float64_and_is_batch_invariant() -> None:
+    from specd.services.engine.kernels import f32_linear
+
+    op = f32_linear()
+    assert op is not None
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(150, 136, generator=g)  # 136 = 8 * 16 + 8: the scalar tail too
+    b = torch.randn(150, generator=g)
+    x = torch.randn(20, 136, generator=g)
+    got = op(x, w, b)
+    want = F.linear(x.double(), w.double(), b.double())
+    # fp32 accumulation of 136 products: a few ulps of the largest terms
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for m in (1, 2, 4, 7, 9, 16):
+        assert torch.equal(op(x[:m], w, b), got[:m])
+    assert torch.equal(op(x[13:14], w, b), got[13:14])
+
+
+def test_a_float32_model_uses_it_for_few_rows_and_torch_for_many() -> None:
+    """fp32 layers run on the kernel up to F32_KERNEL_MAX_ROWS rows (decoding and verifying) and on
+    torch's matmul beyond (a prefill), where MKL's blocked GEMM is the faster."""
+    from specd.services.engine.llama import F32_KERNEL_MAX_ROWS, load_llama
+    from tests.tiny_models import random_hf_model
+
+    ours = load_llama(random_hf_model("llama", hidden_size=64, num_attention_heads=4), torch.float32, "cpu", None)
+    assert ours.kernel_name == "specd-avx2-f32" and ours.forward_path == "per-op"
+    lin = ours.lm_head
+    calls = []
+    real = lin.kernel
+    lin.kernel = lambda *a: calls.append(a[0].shape) or real(*a)
+    few, many = torch.randn(1, F32_KERNEL_MAX_ROWS, 64), torch.randn(1, F32_KERNEL_MAX_ROWS + 1, 64)
+    assert torch.equal(lin(few), real(few, lin.weight, lin.bias))
+    assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))
+    assert calls == [few.shape]
 
 
 def test_int8_matches_its_dequantized_weights_and_is_batch_invariant() -> None:

@@ -12,6 +12,13 @@ much to verify k+1 tokens as to decode one, which leaves speculation nothing to 
 prefetch 4 KB ahead of its loads, and is batch
 invariant, so verification is exact against one-token decoding.
 
+``f32_linear``: the same kernel over fp32 weights, for float32 models on the CPU (the exact mode of
+the identity tests). torch's fp32 matmul is MKL's sgemm, which on AMD CPUs streams weights at a
+fraction of the read bandwidth at decoding's few rows: measured on the 2-core Zen 3 VM, an
+[M, 1536] x [1536, 8960] product took 3.4 ms at M = 1 and 11-14 ms at M = 2-8 (4-16 GB/s of weights;
+the machine read 26 GB/s that hour), so verifying k+1 tokens cost 3-4 times one. It is batch invariant
+too, so fp32 speculation equals the same model alone bit for bit, not only up to rounding.
+
 ``int8_linear``: the same kernel over weight-only int8 with one scale per output row, half the bytes
 of bf16, for drafts (``--draft-quantize int8``: a draft may be anything, speculation stays exact)
 and for targets the user chose to quantize (``--quantize int8``).
@@ -41,6 +48,8 @@ SOURCES = (HERE / "linear_ops.cpp", HERE / "decoder.cpp")
 HEADERS = (HERE / "linear.h",)
 # SPECD_BF16_KERNEL=0 keeps torch's matmul (for A/B runs and as an escape hatch).
 ENV_SWITCH = "SPECD_BF16_KERNEL"
+# SPECD_F32_KERNEL=0 keeps torch's fp32 matmul likewise.
+F32_SWITCH = "SPECD_F32_KERNEL"
 FUSED_SWITCH = "SPECD_FUSED"
 # -ffp-contract=off: the compiler may not fuse a*b+c into one FMA on its own. It would do so in some
 # template instantiations (rows per block) and not others, and the rows' results would then differ
@@ -71,6 +80,13 @@ def bf16_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
     if os.environ.get(ENV_SWITCH, "1") == "0" or not ensure_built():
         return None
     return torch.ops.specd_kernels.bf16_linear
+
+
+def f32_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+    """The compiled ``specd_kernels::f32_linear(x, weight, bias)`` op, or None where it does not apply."""
+    if os.environ.get(F32_SWITCH, "1") == "0" or not ensure_built():
+        return None
+    return torch.ops.specd_kernels.f32_linear
 
 
 def int8_linear() -> Callable[..., torch.Tensor] | None:

@@ -1,4 +1,4 @@
-// Linear layers y = x W^T + b over raw pointers, for bf16, weight-only int8 and int4 weights on AVX2
+// Linear layers y = x W^T + b over raw pointers, for bf16, fp32, weight-only int8 and int4 weights on AVX2
 // CPUs, shared by the torch ops (linear_ops.cpp) and the fused decoder forward (decoder.cpp).
 //
 // Decoding reads every weight once per step, so each kernel is built around that stream: a weight row
@@ -77,6 +77,7 @@ inline void prefetch_ahead(const void* p) {
 struct Bf16Rows {
   static constexpr bool kPermuteX = true;
   static constexpr int kStep = 16;
+  static constexpr int kWeightsPerLine = 32;  // of a 64-byte cache line
   const uint16_t* w;
   int64_t K;
   int64_t bytes_per_row() const { return 2 * K; }
@@ -87,6 +88,23 @@ struct Bf16Rows {
     wv[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
   }
   float scalar(int64_t n, int64_t k) const { return bf16_to_float(w[n * K + k]); }
+  const void* at(int64_t n, int64_t k) const { return w + n * K + k; }
+  float finish(int64_t, float s) const { return s; }
+};
+
+// fp32: the weights as they are, two plain loads per 16. x needs no reordering.
+struct F32Rows {
+  static constexpr bool kPermuteX = false;
+  static constexpr int kStep = 16;
+  static constexpr int kWeightsPerLine = 16;
+  const float* w;
+  int64_t K;
+  int64_t bytes_per_row() const { return 4 * K; }
+  void widen(int64_t n, int64_t k, __m256* wv) const {
+    wv[0] = _mm256_loadu_ps(w + n * K + k);
+    wv[1] = _mm256_loadu_ps(w + n * K + k + 8);
+  }
+  float scalar(int64_t n, int64_t k) const { return w[n * K + k]; }
   const void* at(int64_t n, int64_t k) const { return w + n * K + k; }
   float finish(int64_t, float s) const { return s; }
 };
@@ -106,7 +124,7 @@ void block(const float* x, const C& c, const float* bias, float* out, int64_t ld
     for (int j = 0; j < NR; ++j)
       for (int r = 0; r < R; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K16; k += C::kStep) {
-      if (k % 32 == 0)  // one 64-byte line per row every 32 bf16 weights
+      if (k % C::kWeightsPerLine == 0)  // one prefetch per row and 64-byte line
         for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
       for (int j = 0; j < NR; ++j) {
         __m256 wv[V];
@@ -467,11 +485,11 @@ inline void int8_rows(const float* x, int64_t M, const int8_t* w, const float* s
 
 // ------------------------------------------------------------------------------- one interface
 // A linear layer's weights in whichever format, as the fused decoder holds them.
-enum class Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+enum class Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kF32 = 3 };
 
 struct LinearWeights {
   Format format;
-  const void* w;        // bf16 [N, K], int8 [N, K], or int4 records [N, int4_row_bytes(K)]
+  const void* w;        // bf16 [N, K], int8 [N, K], int4 records [N, int4_row_bytes(K)], or fp32 [N, K]
   const float* scale;   // int8: [N]; else null
   const float* bias;    // fp32 [N] or null
   int64_t N, K;
@@ -488,6 +506,9 @@ inline void linear_any(const LinearWeights& lw, const float* x, int64_t M, float
       break;
     case Format::kInt4:
       int4_rows(x, M, static_cast<const uint8_t*>(lw.w), lw.N, lw.K, lw.bias, out, ldo);
+      break;
+    case Format::kF32:
+      linear_rows(x, M, F32Rows{static_cast<const float*>(lw.w), lw.K}, lw.N, lw.bias, out, ldo);
       break;
   }
 }

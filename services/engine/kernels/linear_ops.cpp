@@ -1,4 +1,4 @@
-// The linear kernels of linear.h as torch ops: specd_kernels::bf16_linear, int8_linear, int4_linear,
+// The linear kernels of linear.h as torch ops: specd_kernels::bf16_linear, f32_linear, int8_linear, int4_linear,
 // for the Python forward (services/engine/llama.py) when the fused decoder (decoder.cpp) is not used.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,6 +38,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
               "weight must be a contiguous 2-D bf16 tensor");
   at::Tensor b;
   const LinearWeights lw{Format::kBf16, weight.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)),
+                         weight.size(0), weight.size(1)};
+  return run(x, lw);
+}
+
+// fp32 weights: where torch's fp32 matmul streams weights slowly at decoding's few rows (MKL's sgemm on
+// AMD CPUs: 4-16 GB/s of weights at 1-8 rows on a Zen 3 reading 26-48 GB/s), and batch invariant.
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D fp32 tensor");
+  at::Tensor b;
+  const LinearWeights lw{Format::kF32, weight.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)),
                          weight.size(0), weight.size(1)};
   return run(x, lw);
 }
@@ -193,6 +204,7 @@ int64_t stream_read(const at::Tensor& buffer) {
 
 TORCH_LIBRARY(specd_kernels, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("quantize_int4(Tensor weight) -> Tensor");
@@ -201,6 +213,7 @@ TORCH_LIBRARY(specd_kernels, m) {
 }
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
+  m.impl("f32_linear", f32_linear);
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
   m.impl("quantize_int4", quantize_int4);
