@@ -16,8 +16,10 @@ invariant, so verification is exact against one-token decoding.
 the identity tests). torch's fp32 matmul is MKL's sgemm, which on AMD CPUs streams weights at a
 fraction of the read bandwidth at decoding's few rows: measured on the 2-core Zen 3 VM, an
 [M, 1536] x [1536, 8960] product took 3.4 ms at M = 1 and 11-14 ms at M = 2-8 (4-16 GB/s of weights;
-the machine read 26 GB/s that hour), so verifying k+1 tokens cost 3-4 times one. It is batch invariant
-too, so fp32 speculation equals the same model alone bit for bit, not only up to rounding.
+the machine read 26 GB/s that hour), so verifying k+1 tokens cost 3-4 times one. Layers use it up to
+``llama.F32_KERNEL_MAX_ROWS`` rows a call and MKL beyond, and fp32 attention stays torch's, so fp32
+output is not batch invariant end to end as the bf16 fused forward is; the identity tests compare it
+with ``transformers`` up to float rounding (exact near-ties only), as before.
 
 ``int8_linear``: the same kernel over weight-only int8 with one scale per output row, half the bytes
 of bf16, for drafts (``--draft-quantize int8``: a draft may be anything, speculation stays exact)
