@@ -19,9 +19,12 @@ from specd.services.engine.chat import encode_chat, encode_text
 from specd.services.engine.engine import EngineConfig, Request, SpecConfig
 from specd.services.engine.sampling import SamplingParams
 
+# The second code prompt's continuation repeats its own text, so n-gram lookup finds guesses there (14
+# of 32 tokens accepted at k = 4; with "import json ... def load_config" in its place the four prompts
+# gave the n-gram check 5 accepted tokens in all, at 22 fewer prompt tokens).
 PROMPTS_TEXT = [
     'def binary_search(items, target):\n    """Return the index of target in sorted items, or -1."""\n',
-    "import json\n\n\ndef load_config(path):\n",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
 ]
 PROMPTS_CHAT = [
     "Write a Python function that reverses a linked list.",
