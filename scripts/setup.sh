@@ -28,9 +28,14 @@ for sub in ("v1", "services", "gateway", "benchmarks"):  # setup.py's folders, e
     pkg = importlib.import_module(f"specd.{sub}")
     for m in pkgutil.walk_packages(pkg.__path__, f"{pkg.__name__}."):
         importlib.import_module(m.name)
-import ray, fastapi, uvicorn, scipy.stats, matplotlib.pyplot, httpx  # noqa: E401 (some are loaded lazily)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast  # noqa
-import transformers.models.qwen2.modeling_qwen2, transformers.models.llama.modeling_llama  # noqa: E401
+lazy = ["ray", "fastapi", "uvicorn", "httpx", "transformers.models.qwen2.modeling_qwen2"]
+for name in lazy + ["transformers.models.llama.modeling_llama", "scipy.stats", "matplotlib.pyplot"]:
+    # scipy and matplotlib come with the dev and bench extras only
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
 PY
 # dev: the Prometheus server that tests/deploy/test_prometheus_dashboard.py runs (Debian's package;
 # warns instead of failing where apt-get or root is missing, and that test then fails with the advice).
