@@ -33,24 +33,25 @@ const float* bias_ptr(const c10::optional<at::Tensor>& bias, at::Tensor& holder,
   return holder.data_ptr<float>();
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
-              "weight must be a contiguous 2-D bf16 tensor");
+// Unquantized weights [N, K] of one dtype, read as they are.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        at::ScalarType dtype, Format format, const char* name) {
+  TORCH_CHECK(weight.scalar_type() == dtype && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D ", name, " tensor");
   at::Tensor b;
-  const LinearWeights lw{Format::kBf16, weight.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)),
-                         weight.size(0), weight.size(1)};
+  const LinearWeights lw{format, weight.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)), weight.size(0),
+                         weight.size(1)};
   return run(x, lw);
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return dense_linear(x, weight, bias, at::kBFloat16, Format::kBf16, "bf16");
 }
 
 // fp32 weights: where torch's fp32 matmul streams weights slowly at decoding's few rows (MKL's sgemm on
 // AMD CPUs: 4-16 GB/s of weights at 1-8 rows on a Zen 3 reading 26-48 GB/s), and batch invariant.
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(),
-              "weight must be a contiguous 2-D fp32 tensor");
-  at::Tensor b;
-  const LinearWeights lw{Format::kF32, weight.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)),
-                         weight.size(0), weight.size(1)};
-  return run(x, lw);
+  return dense_linear(x, weight, bias, at::kFloat, Format::kF32, "fp32");
 }
 
 // Weight-only int8 with one fp32 scale per output row: w[n, k] ~= weight[n, k] * scale[n].
