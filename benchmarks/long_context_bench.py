@@ -9,7 +9,12 @@
   completion decoding, then a completion with a ``--tokens`` prompt.
 - ``chunk-cost``: what one prefill pass of T tokens costs against one decode round (batch 1 and
   batch 16, k=3, the target's default): how ``--prefill-chunk``'s default was chosen.
-- ``ttft``: time to first token of a long prompt (default 2,000 tokens), speculation on.
+- ``ttft``: time to first token of a long prompt (default 2,000 tokens), speculation on (each
+  repeat a different prompt, so the prefix cache never serves it).
+- ``prefix``: a conversation of ``--turns`` turns over a ``--tokens`` context, each turn's prompt
+  the previous prompt, its answer and a new question, with the prefix cache on and off (one engine,
+  the two ways interleaved, each conversation distinct): time to first token per turn, the ratio,
+  the tokens the cache served, and whether the answers were the same.
 - ``decode``: per-token decode time across a long output, in windows of ``--window`` tokens (flat
   means no per-round work grows with the output: detokenization, block tables).
 - ``memory``: resident memory of this process after loading the pair and prefilling a prompt of
@@ -160,9 +165,9 @@ def bench_chunk_cost(args) -> dict:
 
 def bench_ttft(args) -> dict:
     engine = build_engine(_spec_of(args), _config(args))
-    ids = prompt_ids(engine, args.tokens)
     rows = []
     for rep in range(args.repeats):
+        ids = prompt_ids(engine, args.tokens, f"# prompt {rep}\n")
         engine.add_request(Request(f"t{rep}", ids, _greedy(2), SpecConfig("draft", FIXED_NUM_TOKENS)))
         t0 = time.perf_counter()
         first = None
@@ -172,6 +177,60 @@ def bench_ttft(args) -> dict:
                     first = time.perf_counter() - t0
         rows.append(first)
     return {"mode": "ttft", "prompt_tokens": len(ids), "ttft_s": rows, "max_context": engine.max_len}
+
+
+def _first_token_and_answer(engine: Engine, req: Request) -> tuple[float, list[int], int]:
+    """Run one request alone: seconds to its first token, its tokens, and the prompt tokens cached."""
+    engine.add_request(req)
+    t0 = time.perf_counter()
+    first, tokens, cached = None, [], 0
+    while engine.has_work():
+        for o in engine.step():
+            if o.token_ids and first is None:
+                first = time.perf_counter() - t0
+            tokens += o.token_ids
+            cached = o.cached_prompt_tokens
+    return first, tokens, cached
+
+
+def bench_prefix(args) -> dict:
+    engine = build_engine(_spec_of(args), _config(args))
+    caches = [engine.cache] + [getattr(engine.model_drafter, "cache", engine.cache)]  # the target's, the draft's
+    assert all(c.supports_prefix_caching for c in caches), "a cache here cannot share blocks"
+    ttft: dict[str, list[list[float]]] = {"on": [], "off": []}
+    cached: dict[str, list[list[int]]] = {"on": [], "off": []}
+    answers: dict[str, list[list[list[int]]]] = {"on": [], "off": []}
+    for rep in range(args.repeats):
+        for way in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+            for c in caches:
+                c.prefix_caching = way == "on"
+            prompt = prompt_ids(engine, args.tokens, f"# conversation {rep}\n")
+            times, hits, said = [], [], []
+            for turn in range(args.turns):
+                question = engine.tokenizer(f"\n# turn {turn}: write merge_{turn}\n", add_special_tokens=False)
+                prompt = prompt + tuple(question["input_ids"])
+                first, answer, hit = _first_token_and_answer(
+                    engine, Request(f"{way}{rep}.{turn}", prompt, _greedy(args.output), SpecConfig())
+                )
+                times.append(first)
+                hits.append(hit)
+                said.append(answer)
+                prompt = prompt + tuple(answer)
+            ttft[way].append(times)
+            cached[way].append(hits)
+            answers[way].append(said)
+    per_turn = {w: [statistics.median(t[i] for t in ttft[w]) for i in range(args.turns)] for w in ttft}
+    return {
+        "mode": "prefix",
+        "context_tokens": args.tokens,
+        "turns": args.turns,
+        "output_tokens": args.output,
+        "ttft_s": ttft,
+        "ttft_median_by_turn_s": per_turn,
+        "ttft_off_over_on_by_turn": [off / on for off, on in zip(per_turn["off"], per_turn["on"])],
+        "cached_prompt_tokens": cached,
+        "same_answers": answers["on"] == answers["off"],
+    }
 
 
 def bench_decode(args) -> dict:
@@ -399,6 +458,7 @@ MODES = {
     "gap": bench_gap,
     "chunk-cost": bench_chunk_cost,
     "ttft": bench_ttft,
+    "prefix": bench_prefix,
     "decode": bench_decode,
     "memory": bench_memory,
 }
@@ -411,13 +471,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--draft-quantize", default=None)
     p.add_argument("--tokens", type=int, default=900, help="gap/ttft/memory: prompt length")
-    p.add_argument("--output", type=int, default=2048, help="decode: tokens to generate")
+    p.add_argument("--output", type=int, default=None, help="decode: tokens to generate (2048); prefix: per turn (48)")
+    p.add_argument("--turns", type=int, default=3, help="prefix: turns of the conversation")
     p.add_argument("--window", type=int, default=256, help="decode: tokens per timing window")
     p.add_argument("--batch", type=int, default=16, help="engine max batch size")
     p.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
+    if args.output is None:
+        args.output = 48 if args.mode == "prefix" else 2048
     if args.threads:
         torch.set_num_threads(args.threads)
     out = MODES[args.mode](args) | {"pid": os.getpid(), "note": "single run; a shared machine makes it noisy"}

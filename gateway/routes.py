@@ -64,6 +64,7 @@ def _usage(prompt_tokens: int, last) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": last.cached_prompt_tokens if last is not None else 0},
         "speculation": {
             "proposed_tokens": st.proposed_tokens if st else 0,
             "accepted_tokens": st.accepted_tokens if st else 0,

@@ -372,6 +372,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
         quantize=_quantize(args.quantize),
         drain_timeout=args.drain_timeout,
         tls=tls,
+        prefix_caching=args.prefix_caching == "on",
     )
     serve(cfg)
     return 0
@@ -397,6 +398,7 @@ def cmd_target(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         quantize=_quantize(args.quantize),
         draft_ahead=args.draft_ahead == "on",
+        prefix_caching=args.prefix_caching == "on",
     )
     serve(cfg)
     return 0
@@ -472,6 +474,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory,
             prefill_chunk=args.prefill_chunk,
             draft_ahead=args.draft_ahead == "on",
+            prefix_caching=args.prefix_caching == "on",
             pin_cores=CorePlan.parse(args.pin_cores) if args.pin_cores else None,
         )
     )
@@ -558,6 +561,16 @@ def _add_service_args(p: argparse.ArgumentParser, port: int, metrics_port: int |
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: one per core)")
     p.add_argument("--served-model-name", default=None)
     _add_pair_arg(p)
+
+
+def _add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefix-caching",
+        choices=["on", "off"],
+        default="on",
+        help="keep the K/V of earlier prompts and reuse them for prompts that start alike (a system "
+        "prompt, earlier turns); the output is the same (default on)",
+    )
 
 
 def _add_draft_ahead_arg(p: argparse.ArgumentParser) -> None:
@@ -717,6 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampled guesses come from q truncated to this many tokens (sent sparse; still lossless)",
     )
     _add_draft_quantize_arg(d, "--quantize")
+    _add_prefix_caching_arg(d)
     _add_drain_arg(d)
     _add_tls_args(d, None)
     d.set_defaults(func=cmd_draft, model_default=str(DEMO_DRAFT))
@@ -740,6 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
     _add_draft_ahead_arg(t)
+    _add_prefix_caching_arg(t)
     t.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -800,6 +815,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_kv_args(s)
     _add_draft_ahead_arg(s)
+    _add_prefix_caching_arg(s)
     s.add_argument(
         "--pin-cores",
         nargs="?",

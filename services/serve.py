@@ -50,6 +50,7 @@ class ServeConfig:
     prefill_chunk: int | None = None  # None: the services' default
     startup_timeout: float = 300.0
     draft_ahead: bool = DRAFT_AHEAD_DEFAULT  # the draft prepares each sequence's next block while the target verifies
+    prefix_caching: bool = True  # target and draft reuse the K/V of earlier prompts' common prefixes
     pin_cores: CorePlan | None = None  # draft + gateway and the target on disjoint cores (None: unpinned)
 
 
@@ -83,6 +84,7 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
             draft += ["--threads", str(cfg.draft_threads)]
         if cfg.draft_quantize:
             draft += ["--quantize", cfg.draft_quantize]
+        draft += ["--prefix-caching", "on" if cfg.prefix_caching else "off"]
         cmds.append(("draft", draft))
     target = model_service("target", cfg.target, cfg.target_port, cfg.target_metrics_port, cfg.dtype)
     if cfg.num_speculative_tokens is not None:
@@ -90,6 +92,7 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
     if cfg.quantize:
         target += ["--quantize", cfg.quantize]
     target += ["--max-batch-size", str(cfg.max_batch_size), "--max-waiting", str(cfg.max_waiting)]
+    target += ["--prefix-caching", "on" if cfg.prefix_caching else "off"]
     if cfg.draft:
         target += [
             "--draft-address",

@@ -32,6 +32,7 @@ class DraftServerConfig(ServiceConfig):
     quantize: str | None = None  # "int8": weight-only, half the bytes per step; the target's output is unchanged
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     tls: TLSConfig | None = None  # mutual TLS on this server's port
+    prefix_caching: bool = True  # prompts reuse the K/V of earlier prompts' common prefixes (ModelDrafter)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -155,7 +156,12 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
     model = load_model(cfg.model, DTYPES[cfg.dtype], cfg.device, cfg.backend, quantize=cfg.quantize)
     max_len = min(cfg.max_model_len or model.info.max_context, model.info.max_context)
     drafter = ModelDrafter(
-        model, cfg.max_sequences, max_len + MAX_SPECULATIVE_TOKENS + 2, cfg.support, cfg.kv_cache_memory
+        model,
+        cfg.max_sequences,
+        max_len + MAX_SPECULATIVE_TOKENS + 2,
+        cfg.support,
+        cfg.kv_cache_memory,
+        prefix_caching=cfg.prefix_caching,
     )
     drafter.warm_up()
     info = common_pb2.InfoResponse(

@@ -214,14 +214,20 @@ class ModelDrafter:
         support: int = 0,
         kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         block_size: int = DEFAULT_KV_BLOCK_SIZE,
+        prefix_caching: bool = False,
     ) -> None:
         """``max_len``: positions one sequence may use; ``kv_cache_memory``: bytes of the block pool
-        all sequences share (a row that cannot get blocks gets no guesses, it never fails)."""
+        all sequences share (a row that cannot get blocks gets no guesses, it never fails);
+        ``prefix_caching``: prompts reuse the K/V of earlier prompts' full blocks where the pool can
+        share them (kv_cache.BlockTable), so a shared system prompt or an earlier turn is not
+        prefilled again (the draft's own prompts: what it generated is not registered)."""
         self.model = model
         self.support = support
         blocks = pool_blocks(kv_cache_memory, model.kv_bytes_per_token, block_size, max_slots, max_len)
         self.cache = model.new_paged_cache(max_slots, blocks, block_size, max_len)
         self.seqs: dict[str, _DraftSeq] = {}
+        if prefix_caching and self.cache.supports_prefix_caching:
+            self.cache.enable_prefix_caching()
 
     @property
     def vocab_size(self) -> int:
@@ -231,7 +237,9 @@ class ModelDrafter:
         """Take a slot; the prompt is prefilled by :meth:`prefill`, a chunk at a time."""
         slot = self.cache.allocate()
         # All but the last token: the last committed token is fed at the next proposal.
-        self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=0, prompt=list(prompt_ids[:-1]))
+        prompt = list(prompt_ids[:-1])
+        cached = self.cache.attach_prefix(slot, prompt, len(prompt))
+        self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=cached, prompt=prompt)
 
     def ready(self, seq_id: str) -> bool:
         s = self.seqs[seq_id]
@@ -246,8 +254,8 @@ class ModelDrafter:
         first); returns the tokens prefilled (0: none waits, or none can get its blocks now)."""
         waiting = [s for s in self.seqs.values() if s.cache_len < len(s.prompt)]
         # A prompt takes its blocks when it starts, all at once: two half-prefilled prompts can
-        # then never hold the pool between them.
-        waiting = [s for s in waiting if s.cache_len > 0 or self.cache.reserve(s.slot, len(s.prompt) + 1)]
+        # then never hold the pool between them (a prompt that holds them already gets True).
+        waiting = [s for s in waiting if self.cache.reserve(s.slot, len(s.prompt) + 1)]
         if not waiting:
             return 0
         take = plan_chunk([len(s.prompt) - s.cache_len for s in waiting], budget)
@@ -259,6 +267,7 @@ class ModelDrafter:
         )
         for s, n in rows:
             s.cache_len += n
+            self.cache.register(s.slot, s.prompt, s.cache_len)
             if s.cache_len == len(s.prompt):
                 s.prompt = []
         return sum(n for _, n in rows)

@@ -24,6 +24,13 @@ KV memory is one block pool per model sized by a byte budget (:mod:`specd.servic
 decoding sequence takes blocks as it grows; when the pool runs dry the youngest sequence is
 preempted (vLLM's recompute preemption): its blocks go back, and it is prefilled again, its
 tokens so far as the prompt, when blocks free up. Nothing fails for want of memory; it waits.
+
+Prefix caching (``EngineConfig.prefix_caching``, on by default where the target's pool keeps its own
+storage): full blocks of final K/V are kept after their sequence ends, and a prompt that starts with
+the same tokens (a system prompt, an earlier turn of the conversation, a preempted sequence coming
+back) takes them instead of prefilling them again. The target's own forward is batch invariant, so
+reused K/V are the very values a fresh prefill would write (bf16 and the fused forward; in float32
+above 32 rows the matmul's blocking may differ in the last bit). The draft prefills in full.
 """
 
 from __future__ import annotations
@@ -114,6 +121,7 @@ class EngineConfig:
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes of the target's block pool (an in-process
     # draft gets a pool of as many positions)
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    prefix_caching: bool = True  # reuse the target's K/V of earlier prompts' common prefixes
     warm_up: bool = True  # run each model once at start (services/engine/warmup.py)
 
     def __post_init__(self) -> None:
@@ -152,6 +160,7 @@ class StepOutput:
     accepted: int = 0  # of which the target kept this many
     k: int = 0  # block size asked of the drafter this round (0: decoded without speculation)
     drafter: str = "none"  # who made the verified guesses: "draft", "ngram" or "none"
+    cached_prompt_tokens: int = 0  # prompt positions whose K/V the prefix cache held (not computed)
 
 
 @dataclass
@@ -174,6 +183,7 @@ class _Seq:
     prompt_len: int
     order: int  # admission order: the youngest is preempted first
     cached: int = 0  # positions of tokens in the target cache (len(tokens) - 1 once decoding)
+    cached_prompt: int = 0  # of the prompt's positions, how many the prefix cache held at admission
     has_blocks: bool = False  # blocks for the prompt are reserved (false again after a preemption)
     stats: SpecStats = field(default_factory=SpecStats)
     acceptance: SeqAcceptance = field(default_factory=lambda: SeqAcceptance(MAX_SPECULATIVE_TOKENS))
@@ -226,12 +236,16 @@ class Engine:
             check_same_vocab(target.info, draft.info)
             # As many positions as the target's pool: the draft is never the tighter limit.
             draft_memory = blocks * bs * draft.kv_bytes_per_token
-            drafter = ModelDrafter(draft, config.max_batch_size, cache_len, 0, draft_memory, bs)
+            drafter = ModelDrafter(
+                draft, config.max_batch_size, cache_len, 0, draft_memory, bs, prefix_caching=config.prefix_caching
+            )
         self.model_drafter: Drafter | None = drafter  # the draft model, here or remote; None: n-gram only
         if config.warm_up:
             warm_up(target, self.cache)
             if isinstance(drafter, ModelDrafter):
                 drafter.warm_up()
+        if config.prefix_caching and self.cache.supports_prefix_caching:
+            self.cache.enable_prefix_caching()
         self.eos = frozenset(target.info.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, _Seq] = {}
@@ -244,6 +258,8 @@ class Engine:
         self._decoding_since: float | None = None
         self.prefill_passes = 0
         self.preemptions = 0
+        self.prompt_tokens = 0  # of admitted requests
+        self.cached_prompt_tokens = 0  # of those, held by the prefix cache at admission
         self._admitted = 0
         self.last_round = RoundInfo()
         self.device = target.device
@@ -380,8 +396,10 @@ class Engine:
                 return
             self.waiting.popleft()
             slot = self.cache.allocate()
-            self.cache.reserve(slot, len(req.prompt_ids))
             prompt = list(req.prompt_ids)
+            # The last prompt token is fed by the first decode round (the cache invariant).
+            hit = self.cache.attach_prefix(slot, prompt, len(prompt) - 1)
+            self.cache.reserve(slot, len(prompt))
             seed = req.params.seed
             seq = _Seq(
                 req=req,
@@ -394,9 +412,13 @@ class Engine:
                 detok=Detokenizer(self.tokenizer, req.params.stop),
                 prompt_len=len(prompt),
                 order=self._admitted,
+                cached=hit,
+                cached_prompt=hit,
                 has_blocks=True,
             )
             self._admitted += 1
+            self.prompt_tokens += len(prompt)
+            self.cached_prompt_tokens += hit
             if self._may_use_model(req):
                 self.model_drafter.add(req.request_id, prompt, req.params)
             self.running[req.request_id] = seq
@@ -430,9 +452,14 @@ class Engine:
             self.prefill_passes += 1
             for s, n in rows:
                 s.cached += n
+                self.cache.register(s.slot, s.tokens, s.cached)
 
     def _take_blocks(self, seq: _Seq) -> bool:
+        seq.cached = self.cache.attach_prefix(seq.slot, seq.tokens, len(seq.tokens) - 1)
         seq.has_blocks = self.cache.reserve(seq.slot, len(seq.tokens))
+        if not seq.has_blocks:
+            self.cache.free_positions(seq.slot)
+            seq.cached = 0
         return seq.has_blocks
 
     def _reserve_round(self, seqs: list[_Seq]) -> list[_Seq]:
@@ -457,6 +484,7 @@ class Engine:
         return [s for s in out if s.has_blocks]
 
     def _preempt(self, seq: _Seq) -> None:
+        self.cache.register(seq.slot, seq.tokens, seq.cached)
         self.cache.free_positions(seq.slot)
         seq.cached, seq.has_blocks = 0, False
         self.preemptions += 1
@@ -628,8 +656,11 @@ class Engine:
             i
             for i in active
             if (routes[i] == "draft" or (routes[i] == "hybrid" and i not in matched))
-            # A draft still prefilling this prompt has nothing to guess from yet.
-            and self.model_drafter.ready(seqs[i].req.request_id)
+            # A draft still prefilling this prompt has nothing to guess from yet, but a seeded sampled
+            # row is asked anyway (the draft feeds the rest of the prompt first): whether the draft
+            # is ready depends on what else it prefilled, and the row's output must not (the target,
+            # with prefix caching, may be ready first).
+            and (seqs[i].req.params.seeded_sampling or self.model_drafter.ready(seqs[i].req.request_id))
         ]
         model_prop = None
         model_seconds = 0.0
@@ -745,10 +776,13 @@ class Engine:
             accepted=accepted,
             k=k,
             drafter=DRAFTER_LABELS[drafter] if proposed > 0 else "none",
+            cached_prompt_tokens=seq.cached_prompt,
         )
 
     def _release(self, seq: _Seq) -> None:
         self.running.pop(seq.req.request_id, None)
+        if seq.has_blocks:
+            self.cache.register(seq.slot, seq.tokens, seq.cached)  # the generated text too: a next turn
         self.cache.release(seq.slot)
         self.ngram.remove(seq.req.request_id)
         if self._may_use_model(seq.req):
@@ -768,6 +802,7 @@ class Engine:
             if out.finished:
                 res.finish_reason = out.finish_reason
                 res.stats = out.stats
+                res.cached_prompt_tokens = out.cached_prompt_tokens
         return results
 
     def stream(self) -> Iterator[StepOutput]:
@@ -789,3 +824,4 @@ class GenerationResult:
     text: str = ""
     finish_reason: str | None = None
     stats: SpecStats | None = None
+    cached_prompt_tokens: int = 0  # prompt positions the prefix cache held

@@ -12,7 +12,11 @@ overwritten by the next round.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -100,6 +104,14 @@ class BlockTable(SlotAllocator):
 
     A slot can :meth:`fork` another's prefix (the draft service's prepared branches): full blocks
     are then shared, counted by holders, and go back to the pool with their last holder.
+
+    **Prefix caching** (:meth:`enable_prefix_caching`, vLLM's automatic prefix caching): a full block
+    whose K/V are final is :meth:`register`-ed under a digest of every token up to its end, and a new
+    sequence starting with the same tokens :meth:`attach_prefix`-es it instead of computing it again.
+    A registered block whose last holder lets go stays cached, idle, and counts as free: the pool
+    hands idle blocks out again, least recently used first, only when no never-cached block is left.
+    A digest names the whole prefix (sha256 chained block by block), so a hit is never a
+    different text; blocks are shared only whole, below every position a holder writes.
     """
 
     def __init__(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> None:
@@ -111,10 +123,95 @@ class BlockTable(SlotAllocator):
         self._holders: dict[int, int] = {}  # shared blocks only: how many slots hold them
         width = -(-max_len // block_size) + 1
         self.table = torch.full((num_slots, width), self.scratch, dtype=torch.long)  # host copy, rows per slot
+        self.prefix_caching = False
+        # Set where other processes follow this pool's tables (tensor-parallel ranks): they zero
+        # every block new to a row (mirror_table), so a cached block would lose its K/V there.
+        self.mirrored = False
+        self._by_digest: dict[bytes, int] = {}  # registered blocks, by the digest of their prefix
+        self._digest_of: dict[int, bytes] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # registered blocks no slot holds, oldest first
+        # Per slot, the digests of its sequence's blocks so far (its tokens only grow while it holds the slot).
+        self._digests: list[list[bytes]] = [[] for _ in range(num_slots)]
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks a sequence can take: never used, or cached and idle."""
+        return len(self._free_blocks) + len(self._idle)
+
+    @property
+    def supports_prefix_caching(self) -> bool:
+        """Whether blocks can be shared between sequences (the storage is this pool's own)."""
+        return self.can_fork and not self.mirrored
+
+    def enable_prefix_caching(self) -> None:
+        if not self.supports_prefix_caching:
+            raise ValueError("this cache cannot share blocks between sequences")
+        self.prefix_caching = True
+
+    def _take_block(self) -> int:
+        """A block to write afresh: a never-cached one, else the least recently used idle one (its
+        cached prefix is forgotten). Callers check :attr:`free_blocks` first."""
+        if self._free_blocks:
+            return heapq.heappop(self._free_blocks)
+        block, _ = self._idle.popitem(last=False)
+        del self._by_digest[self._digest_of.pop(block)]
+        return block
+
+    def _drop_block(self, block: int) -> None:
+        """Its last holder let go."""
+        if block in self._digest_of:
+            self._idle[block] = None
+        else:
+            heapq.heappush(self._free_blocks, block)
+
+    def _chain(self, slot: int, tokens: Sequence[int], blocks: int) -> list[bytes]:
+        """The digests of ``slot``'s first ``blocks`` full blocks of ``tokens``, extending its chain."""
+        chain = self._digests[slot]
+        bs = self.block_size
+        while len(chain) < blocks:
+            i = len(chain)
+            h = hashlib.sha256(chain[-1] if chain else b"specd-prefix")
+            h.update(array("q", tokens[i * bs : (i + 1) * bs]).tobytes())
+            chain.append(h.digest())
+        return chain
+
+    def attach_prefix(self, slot: int, tokens: Sequence[int], limit: int) -> int:
+        """Give the empty ``slot`` the cached blocks of the longest registered prefix of ``tokens``
+        that ends at or before ``limit``; returns its length in positions (0 without prefix caching
+        or without a hit). Those positions' K/V are then in place and must not be computed again."""
+        if not self.prefix_caching or self.blocks[slot]:
+            return 0
+        chain = self._chain(slot, tokens, min(limit, len(tokens)) // self.block_size)
+        hit: list[int] = []
+        for digest in chain:
+            block = self._by_digest.get(digest)
+            if block is None:
+                break
+            hit.append(block)
+        for block in hit:
+            if block in self._idle:
+                del self._idle[block]
+            else:
+                self._holders[block] = self._holders.get(block, 1) + 1
+        if hit:
+            self.blocks[slot] = hit
+            self.table[slot, : len(hit)] = torch.tensor(hit, dtype=torch.long)
+        return len(hit) * self.block_size
+
+    def register(self, slot: int, tokens: Sequence[int], valid: int) -> None:
+        """``slot``'s K/V are final below position ``valid`` (``tokens`` its sequence): its full
+        blocks there become reusable by later sequences with the same prefix. A block whose prefix
+        is cached already (two equal prompts prefilled side by side) stays unregistered."""
+        if not self.prefix_caching:
+            return
+        own = self.blocks[slot]
+        full = min(valid, len(tokens)) // self.block_size
+        chain = self._chain(slot, tokens, min(full, len(own)))
+        for block, digest in zip(own, chain):
+            if block in self._digest_of or digest in self._by_digest:
+                continue
+            self._by_digest[digest] = block
+            self._digest_of[block] = digest
 
     @property
     def capacity_tokens(self) -> int:
@@ -130,9 +227,9 @@ class BlockTable(SlotAllocator):
         need = self.blocks_for(length) - len(have)
         if need <= 0:
             return True
-        if need > len(self._free_blocks) or len(have) + need > self.table.shape[1]:
+        if need > self.free_blocks or len(have) + need > self.table.shape[1]:
             return False
-        new = [heapq.heappop(self._free_blocks) for _ in range(need)]
+        new = [self._take_block() for _ in range(need)]
         self._new_blocks(new)
         self.table[slot, len(have) : len(have) + need] = torch.tensor(new, dtype=torch.long)
         have.extend(new)
@@ -147,7 +244,7 @@ class BlockTable(SlotAllocator):
             elif held == 1:
                 del self._holders[b]
             else:
-                heapq.heappush(self._free_blocks, b)
+                self._drop_block(b)
         self.blocks[slot] = []
         self.table[slot] = self.scratch
 
@@ -168,14 +265,14 @@ class BlockTable(SlotAllocator):
         if self.blocks[dst]:
             raise ValueError(f"slot {dst} is not empty")
         full, partial = divmod(length, self.block_size)
-        if partial and not self._free_blocks:
+        if partial and not self.free_blocks:
             return False
         shared = self.blocks[src][:full]
         for b in shared:
             self._holders[b] = self._holders.get(b, 1) + 1
         own = []
         if partial:
-            own = [heapq.heappop(self._free_blocks)]
+            own = [self._take_block()]
             self._copy_block(self.blocks[src][full], own[0])
         self.blocks[dst] = shared + own
         self.table[dst, : len(self.blocks[dst])] = torch.tensor(self.blocks[dst], dtype=torch.long)
@@ -188,6 +285,7 @@ class BlockTable(SlotAllocator):
     def release(self, slot: int) -> None:
         super().release(slot)
         self.free_positions(slot)
+        self._digests[slot] = []  # a preempted sequence keeps its slot, tokens and digests
 
     def mirror_table(self, slots: list[int], table: torch.Tensor) -> None:
         """On a tensor-parallel rank that follows rank 0's block tables instead of allocating its own:

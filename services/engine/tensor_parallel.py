@@ -266,6 +266,7 @@ class TensorParallelLM:
     def new_paged_cache(self, num_slots: int, num_blocks: int, block_size: int, max_len: int) -> PagedKVCache:
         """A block pool for this rank's heads; every other rank allocates the same geometry for its own."""
         cache = self.local.new_paged_cache(num_slots, num_blocks, block_size, max_len)
+        cache.mirrored = True
         cache_id = self._next_cache_id
         self._next_cache_id += 1
         self._send(NEW_PAGED_CACHE, cache_id)

@@ -121,6 +121,7 @@ def response_to_pb(out: StepOutput, completion_tokens: int) -> target_pb2.Genera
         finish_reason=_FINISH[out.finish_reason],
         completion_tokens=completion_tokens,
         stats=_stats_pb(out.stats) if out.stats is not None else None,
+        cached_prompt_tokens=out.cached_prompt_tokens,
     )
 
 

@@ -114,6 +114,7 @@ class EngineLoop:
             if self.engine.rounds != rounds:
                 r = self.engine.last_round
                 self.exporter.record_round(outputs, r.batch_size, r.draft_seconds, r.verify_seconds)
+            self.exporter.record_prompts(self.engine.prompt_tokens, self.engine.cached_prompt_tokens)
             self.exporter.set_running(len(self.engine.running) + len(self.engine.waiting))
             self.exporter.set_kv_slots(self.engine.active_slots)
             for out in outputs:

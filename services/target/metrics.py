@@ -83,6 +83,12 @@ DRAFT_BLOCKS_RECEIVED = Counter(
 )
 for _source in BLOCK_SOURCES:
     DRAFT_BLOCKS_RECEIVED.labels(source=_source)  # exported as 0 from the start
+PROMPT_TOKENS = Counter("specd_prompt_tokens", "Prompt tokens of the requests admitted")
+PREFIX_CACHE_HIT_TOKENS = Counter(
+    "specd_prefix_cache_hit_tokens",
+    "Prompt tokens whose K/V the target's prefix cache held at admission (not prefilled again); "
+    "hit rate: rate(specd_prefix_cache_hit_tokens_total[5m]) / rate(specd_prompt_tokens_total[5m])",
+)
 DRAFT_FAILURES = Counter(
     "specd_draft_failures",
     "Rounds in which a draft endpoint failed or timed out (decoded without guesses)",
@@ -100,6 +106,8 @@ class SpecExporter:
         self._window: deque[tuple[float, int, int]] = deque()  # (time, proposed, accepted)
         self._proposed = 0
         self._accepted = 0
+        self._prompt_tokens = 0
+        self._cached_prompt_tokens = 0
 
     def record_round(self, outputs: list[StepOutput], batch_size: int, draft_s: float, verify_s: float) -> None:
         """One batched target pass and what each of its sequences produced."""
@@ -131,6 +139,12 @@ class SpecExporter:
             self._accepted -= a
         if self._proposed:
             ACCEPTANCE_RATE.set(self._accepted / self._proposed)
+
+    def record_prompts(self, prompt_tokens: int, cached_prompt_tokens: int) -> None:
+        """The engine's running totals of admitted prompt tokens and prefix-cache hits."""
+        PROMPT_TOKENS.inc(prompt_tokens - self._prompt_tokens)
+        PREFIX_CACHE_HIT_TOKENS.inc(cached_prompt_tokens - self._cached_prompt_tokens)
+        self._prompt_tokens, self._cached_prompt_tokens = prompt_tokens, cached_prompt_tokens
 
     @staticmethod
     def set_running(n: int) -> None:

@@ -50,6 +50,7 @@ class TargetServerConfig(ServiceConfig):
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     tls: TLSConfig | None = None  # mutual TLS for this server and for its channels to the drafts
     draft_ahead: bool = DRAFT_AHEAD_DEFAULT  # the drafts prepare each sequence's next block while this target verifies
+    prefix_caching: bool = True  # reuse the K/V of earlier prompts' common prefixes (EngineConfig.prefix_caching)
 
     @property
     def admission(self) -> Admission:
@@ -127,6 +128,7 @@ def load_engine(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> En
         cfg.max_model_len,
         prefill_chunk=cfg.prefill_chunk,
         kv_cache_memory=cfg.kv_cache_memory,
+        prefix_caching=cfg.prefix_caching,
     )
     return Engine(target, tokenizer, None, ecfg, drafter=drafter)
 

@@ -104,6 +104,24 @@ def test_metrics_after_traffic(own_stack) -> None:
     assert metric_value(gw, "specd_requests_total", 'status="200"') == 4
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(own_stack) -> None:
+    """The second of two equal long prompts reports its cached tokens (OpenAI's
+    usage.prompt_tokens_details.cached_tokens), the target's counters agree, and the text is the same."""
+    s = own_stack
+    before = s.metrics("target")
+    body = {"prompt": PROMPT + "\n    " + "lo, hi = 0, len(items) - 1\n    " * 6, "max_tokens": 16, "temperature": 0}
+    first, second = (httpx.post(s.url + "/v1/completions", json=body, timeout=120).json() for _ in range(2))
+    after = s.metrics("target")
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens > 64
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second)]
+    assert cached[0] == 0 and 0 < cached[1] < prompt_tokens and cached[1] % 32 == 0  # whole blocks of 32
+    grew = {n: metric_value(after, n) - (metric_value(before, n) or 0.0) for n in (
+        "specd_prompt_tokens_total", "specd_prefix_cache_hit_tokens_total")}  # fmt: skip
+    assert grew == {"specd_prompt_tokens_total": 2 * prompt_tokens, "specd_prefix_cache_hit_tokens_total": cached[1]}
+
+
 def test_client_disconnect_frees_everything(own_stack) -> None:
     s = own_stack
     with httpx.Client(timeout=60) as client:

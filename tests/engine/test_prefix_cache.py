@@ -1,0 +1,232 @@
+"""Prefix caching: the block pool's accounting (pure), and the engine's output with it on and off."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.kv_cache import BlockTable
+from specd.services.engine.sampling import SamplingParams
+
+BS = 4  # positions per block in the pool tests
+
+
+class _Pool(BlockTable):
+    """The accounting of a pool whose storage could be shared (as PagedKVCache's is)."""
+
+    @property
+    def can_fork(self) -> bool:
+        return True
+
+    def _copy_block(self, src_block: int, dst_block: int) -> None:
+        pass
+
+
+def _pool(blocks: int = 8, slots: int = 4) -> _Pool:
+    pool = _Pool(slots, blocks, BS, max_len=64)
+    pool.enable_prefix_caching()
+    return pool
+
+
+def _run(pool: _Pool, tokens: list[int]) -> tuple[int, list[int], int]:
+    """A sequence over ``tokens`` as the engine runs one: attach, reserve, K/V final up to the last."""
+    slot = pool.allocate()
+    hit = pool.attach_prefix(slot, tokens, len(tokens) - 1)
+    assert pool.reserve(slot, len(tokens))
+    pool.register(slot, tokens, len(tokens) - 1)
+    return slot, list(pool.blocks[slot]), hit
+
+
+def test_a_prompt_seen_before_takes_its_full_blocks_and_only_those() -> None:
+    pool = _pool()
+    first = list(range(100, 111))  # 11 tokens: blocks 0-1 full and final, block 2 partly used
+    slot, blocks, hit = _run(pool, first)
+    assert hit == 0
+    pool.release(slot)
+    assert pool.free_blocks == 8  # cached blocks count as free
+    slot, again, hit = _run(pool, first)
+    assert hit == 2 * BS and again[:2] == blocks[:2]
+    pool.release(slot)
+    # The same first block, another second one: only the first is shared.
+    other = first[:BS] + [7] * BS + [8, 9]
+    slot, blocks2, hit = _run(pool, other)
+    assert hit == BS and blocks2[0] == blocks[0] and blocks2[1] != blocks[1]
+    pool.release(slot)
+    # A hit never reaches the limit's block: the last prompt token is computed, not reused.
+    slot = pool.allocate()
+    assert pool.attach_prefix(slot, first[: 2 * BS], 2 * BS - 1) == BS
+    pool.release(slot)
+    assert pool.free_blocks == 8
+
+
+def test_a_block_is_shared_while_held_and_returns_with_its_last_holder() -> None:
+    pool = _pool()
+    tokens = list(range(9))
+    a, blocks_a, _ = _run(pool, tokens)
+    b, blocks_b, hit = _run(pool, tokens)
+    assert hit == 2 * BS and blocks_b[:2] == blocks_a[:2] and blocks_b[2] != blocks_a[2]
+    assert pool.free_blocks == 8 - 4  # two shared blocks, one own block each
+    pool.release(a)
+    assert pool.free_blocks == 8 - 3  # b still holds the shared ones
+    pool.release(b)
+    assert pool.free_blocks == 8
+
+
+def test_idle_cached_blocks_are_taken_last_and_least_recently_used_first() -> None:
+    pool = _pool(blocks=6)
+    old, _, _ = _run(pool, [1] * 9)  # registers 2 blocks
+    pool.release(old)
+    new, _, _ = _run(pool, [2] * 9)
+    pool.release(new)
+    assert pool.free_blocks == 6
+    # 6 blocks for a fresh text: the 2 never-cached ones, then the 4 idle cached, oldest first.
+    slot = pool.allocate()
+    assert pool.reserve(slot, 6 * BS)
+    pool.release(slot)
+    assert pool.attach_prefix(pool.allocate(), [1] * 9, 8) == 0  # evicted: never a stale hit
+    # The pool evicts the oldest idle blocks first: a text fills 4 blocks, the older prefix goes.
+    pool = _pool(blocks=6)
+    for text in ([1] * 9, [2] * 9):
+        s, _, _ = _run(pool, text)
+        pool.release(s)
+    s = pool.allocate()
+    assert pool.reserve(s, 4 * BS)  # 2 never cached + the 2 blocks of [1] * 9
+    pool.release(s)
+    assert pool.attach_prefix(pool.allocate(), [2] * 9, 8) == 2 * BS
+    assert pool.attach_prefix(pool.allocate(), [1] * 9, 8) == 0
+
+
+def test_two_equal_prompts_side_by_side_register_one_copy() -> None:
+    pool = _pool()
+    a = pool.allocate()
+    b = pool.allocate()
+    tokens = list(range(9))
+    for s in (a, b):  # both admitted before either was prefilled: no hit
+        assert pool.attach_prefix(s, tokens, 8) == 0
+        assert pool.reserve(s, 9)
+    pool.register(a, tokens, 8)
+    pool.register(b, tokens, 8)
+    pool.release(a)
+    pool.release(b)
+    c = pool.allocate()
+    assert pool.attach_prefix(c, tokens, 8) == 2 * BS
+    pool.release(c)
+    assert pool.free_blocks == 8
+
+
+def test_prefix_caching_is_off_unless_enabled_and_refused_where_blocks_cannot_be_shared() -> None:
+    plain = _Pool(2, 8, BS, 64)
+    slot, _, hit = _run(plain, list(range(9)))
+    plain.release(slot)
+    assert hit == 0 and plain.attach_prefix(plain.allocate(), list(range(9)), 8) == 0
+    with pytest.raises(ValueError):
+        BlockTable(2, 8, BS, 64).enable_prefix_caching()  # no storage of its own to share
+    mirrored = _Pool(2, 8, BS, 64)
+    mirrored.mirrored = True  # tensor-parallel ranks zero every block new to a row
+    assert not mirrored.supports_prefix_caching
+
+
+# ----------------------------------------------------------------------------------- the engine
+
+SYSTEM = "import os\nimport sys\nfrom collections import deque\n\n\ndef _helper(x):\n    return x + 1\n\n"
+TAILS = ["def wrap(text, width=70):\n", "class TextWrapper:\n", "def insort(a, x):\n    lo = 0\n", "x"]
+
+
+def _engine(tiny_pair, prefix_caching: bool, **cfg) -> Engine:
+    target, draft = tiny_pair
+    spec = ModelSpec(str(target), str(draft), "float32", "float32")
+    defaults = {"max_batch_size": 4, "max_model_len": 256, "kv_block_size": 8, "prefix_caching": prefix_caching}
+    return build_engine(spec, EngineConfig(**(defaults | cfg)))
+
+
+def _ids(engine: Engine, text: str) -> tuple[int, ...]:
+    return tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _requests(engine: Engine, tag: str, n: int = 24) -> list[Request]:
+    """Prompts sharing a long prefix, every method, greedy and seeded sampling."""
+    methods = [("draft", 3), ("ngram", 4), ("none", 0), ("auto", 4)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=n, seed=11, ignore_eos=True),
+    ]
+    return [
+        Request(f"{tag}{i}", _ids(engine, SYSTEM + tail), params[i % 2], SpecConfig(*methods[i]))
+        for i, tail in enumerate(TAILS)
+    ]
+
+
+def _outputs(engine: Engine, reqs: list[Request], one_by_one: bool) -> dict[str, list[int]]:
+    if one_by_one:
+        return {r.request_id[1:]: engine.generate([r])[r.request_id].token_ids for r in reqs}
+    return {k[1:]: v.token_ids for k, v in engine.generate(reqs).items()}
+
+
+def test_engine_output_is_the_same_with_prefix_caching_and_the_pool_comes_back(tiny_pair) -> None:
+    """Greedy and seeded rows over a shared system prompt, each method, alone and batched, and a
+    second turn that repeats a first turn's answer: token for token what an engine without the
+    cache produces, with hits counted, and every block free (cached or never used) at the end."""
+    cold, warm = _engine(tiny_pair, False), _engine(tiny_pair, True)
+    assert not cold.cache.prefix_caching and warm.cache.prefix_caching
+    want = _outputs(cold, _requests(cold, "a"), one_by_one=True)
+    first = _outputs(warm, _requests(warm, "a"), one_by_one=True)  # the later ones hit the system prompt
+    assert first == want
+    prompts = [r.prompt_ids for r in _requests(warm, "a")]
+    shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    assert shared >= 16 and warm.cached_prompt_tokens >= 3 * 8 * (shared // 8)
+    again = warm.generate(_requests(warm, "b"))  # all four at once, each a hit
+    assert {k[1:]: v.token_ids for k, v in again.items()} == want
+    assert all(r.cached_prompt_tokens > 0 for r in again.values())
+    # A second turn: the first turn's prompt and answer, then more. Its answer is cached too.
+    turn1 = _requests(warm, "t")[0]
+    answer = warm.generate([turn1])["t0"].token_ids
+    turn2 = Request("t2", turn1.prompt_ids + tuple(answer) + _ids(warm, "\n\ndef more():\n"), turn1.params)
+    got = warm.generate([turn2])["t2"]
+    assert got.cached_prompt_tokens >= 8 * ((len(turn1.prompt_ids) + len(answer) - 1) // 8)
+    assert got.token_ids == cold.generate([turn2])["t2"].token_ids
+    for e in (cold, warm):
+        assert e.active_slots == 0 and e.cache.free_blocks == e.cache.num_blocks
+
+
+def test_preemption_with_prefix_caching_keeps_the_output(tiny_pair) -> None:
+    """A pool of 12 blocks of 8 for three growing sequences over a shared prefix: the youngest are
+    preempted, their blocks registered as they leave, so they come back partly through the cache;
+    the output is each request's alone without the cache, and every block is free at the end."""
+    cold = _engine(tiny_pair, False)
+    tight = _engine(tiny_pair, True, kv_cache_memory=cold.target.kv_bytes_per_token * 8 * 12, prefill_chunk=16)
+    head = _ids(cold, SYSTEM)[:16]
+    reqs = [
+        Request(f"p{i}", head + _ids(cold, tail)[:6], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                SpecConfig(*method))
+        for i, (tail, method) in enumerate(zip(TAILS, [("draft", 3), ("ngram", 4), ("none", 0), ("auto", 4)]))
+    ]  # fmt: skip
+    got = _outputs(tight, reqs, one_by_one=False)
+    assert tight.preemptions > 0 and tight.cached_prompt_tokens > 0
+    assert got == _outputs(cold, reqs, one_by_one=True)
+    assert tight.active_slots == 0 and tight.cache.free_blocks == tight.cache.num_blocks
+
+
+def test_the_draft_model_reuses_its_prompts_blocks_and_proposes_the_same(tiny_pair) -> None:
+    """The draft's own pool (in-process, and in the draft service, which runs the same ModelDrafter):
+    a prompt it prefilled before is taken from its cache, and its guesses are unchanged."""
+    import torch
+
+    from specd.services.engine.drafters import DraftRow, ModelDrafter
+    from specd.services.engine.model import load_model
+
+    model = load_model(str(tiny_pair[1]), torch.float32, "cpu")
+    cold, warm = (ModelDrafter(model, 4, 256, block_size=8, prefix_caching=on) for on in (False, True))
+    prompt = list(range(3, 60))
+    guesses: dict[bool, list[list[int]]] = {False: [], True: []}
+    for drafter, on in ((cold, False), (warm, True)):
+        for i in range(2):
+            drafter.add(f"s{i}", prompt)
+            assert drafter.seqs[f"s{i}"].cache_len == (0 if i == 0 or not on else 8 * ((len(prompt) - 1) // 8))
+            while drafter.prefill(16):
+                pass
+            prop = drafter.propose([DraftRow(f"s{i}", prompt, 4, True)], None)
+            guesses[on].append(prop.token_ids[0].tolist())
+            drafter.remove(f"s{i}")
+        assert drafter.cache.free_blocks == drafter.cache.num_blocks
+    assert guesses[True] == guesses[False] and guesses[True][0] == guesses[True][1]
