@@ -30,7 +30,8 @@ storage): full blocks of final K/V are kept after their sequence ends, and a pro
 the same tokens (a system prompt, an earlier turn of the conversation, a preempted sequence coming
 back) takes them instead of prefilling them again. The target's own forward is batch invariant, so
 reused K/V are the very values a fresh prefill would write (bf16 and the fused forward; in float32
-above 32 rows the matmul's blocking may differ in the last bit). The draft prefills in full.
+above 32 rows the matmul's blocking may differ in the last bit). An in-process draft model keeps
+its own prompts' blocks the same way (ModelDrafter).
 """
 
 from __future__ import annotations
