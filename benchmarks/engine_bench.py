@@ -56,6 +56,11 @@ from specd.services.engine.model import BatchLayout
 from specd.services.engine.sampling import SamplingParams
 from specd.services.engine.stats import SpecStats
 
+# The benchmarks that compare modes run the same prompts in every mode, one mode after another: with
+# the prefix cache on, the first mode to meet a prompt would prefill it and the rest would not. So
+# they run with it off; `long_context_bench prefix` measures what it is worth.
+COMPARE_PREFIX_CACHING = False
+
 CODE_PROMPTS = [
     'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n',
     'class LRUCache:\n    """A least-recently-used cache with a fixed capacity."""\n\n'
@@ -228,7 +233,7 @@ def run_engine_bench(cfg: BenchConfig) -> dict:
     torch.manual_seed(cfg.seed)
     engine = build_engine(
         ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype, draft_dtype=cfg.dtype),
-        EngineConfig(max_batch_size=2, max_model_len=1024),
+        EngineConfig(max_batch_size=2, max_model_len=1024, prefix_caching=COMPARE_PREFIX_CACHING),
     )
     prompt_sets = _prompts(engine, cfg.quick)
     hf_targets, hf_draft = [], None

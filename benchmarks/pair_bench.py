@@ -37,7 +37,7 @@ import torch
 
 from specd.benchmarks import engine_bench
 from specd.benchmarks.bandwidth import gguf_bytes_per_token, measure_read_bandwidth, safetensors_bytes_per_token
-from specd.benchmarks.engine_bench import CODE_PROMPTS, alpha_hat
+from specd.benchmarks.engine_bench import CODE_PROMPTS, COMPARE_PREFIX_CACHING, alpha_hat
 from specd.services.common.constants import AUTO_NUM_TOKENS, DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.engine.builder import DTYPES, ModelSpec, build_engine
 from specd.services.engine.chat import encode_chat, encode_text
@@ -232,7 +232,7 @@ def _quantized_modes(cfg: PairBenchConfig, main: Engine) -> tuple[list[Quantized
     if not cfg.quantized_targets:
         return [], {}
     dtype = DTYPES[cfg.dtype]
-    ec = EngineConfig(max_batch_size=1, max_model_len=1024)
+    ec = EngineConfig(max_batch_size=1, max_model_len=1024, prefix_caching=COMPARE_PREFIX_CACHING)
     drafts = {q: load_model(cfg.draft, dtype, quantize=q) for q in dict.fromkeys([None, *cfg.quantized_drafts])}
     modes = []
     for q in (None, "int4"):  # the bf16 target with other drafts than the default one
@@ -265,7 +265,7 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
             draft_dtype=cfg.dtype,
             draft_quantize=cfg.draft_quantize,
         ),
-        EngineConfig(max_batch_size=1, max_model_len=1024),
+        EngineConfig(max_batch_size=1, max_model_len=1024, prefix_caching=COMPARE_PREFIX_CACHING),
     )
     n = 1 if cfg.quick else cfg.prompts_per_category
     prompt_sets = _prompt_sets(engine.tokenizer, n)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specd.benchmarks.engine_bench import _params, _prompts
+from specd.benchmarks.engine_bench import COMPARE_PREFIX_CACHING, _params, _prompts
 from specd.services.common.constants import AUTO_NUM_TOKENS, DEFAULT_DTYPE
 from specd.services.engine.builder import ModelSpec, build_engine
 from specd.services.engine.controller import (
@@ -186,7 +186,7 @@ def run_paired_bench(cfg: PairedBenchConfig) -> dict:
     torch.manual_seed(cfg.seed)
     engine = build_engine(
         ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype, draft_dtype=cfg.dtype),
-        EngineConfig(max_batch_size=2, max_model_len=1024),
+        EngineConfig(max_batch_size=2, max_model_len=1024, prefix_caching=COMPARE_PREFIX_CACHING),
     )
     prompts = _prompts(engine, False)[cfg.workload]
     modes = _modes(cfg)

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import httpx
 
-from specd.benchmarks.engine_bench import CODE_PROMPTS, PROSE_QUESTIONS
+from specd.benchmarks.engine_bench import CODE_PROMPTS, COMPARE_PREFIX_CACHING, PROSE_QUESTIONS
 from specd.benchmarks.paired_bench import paired_interval
 from specd.services.common.affinity import CorePlan
 from specd.services.common.constants import DEFAULT_DTYPE, FIXED_NUM_TOKENS
@@ -211,6 +211,7 @@ class _Stack:
             draft_ahead=draft_ahead,
             pin_cores=cores,
             max_batch_size=cfg.batch_size,  # every concurrent stream in one batch
+            prefix_caching=COMPARE_PREFIX_CACHING,
         )
         tag = f"{_layout(cores is not None)}-{'ahead' if draft_ahead else 'in-turn'}"
         self.log = open(Path(cfg.out_dir) / f"{cfg.name}.{tag}.log.tmp", "wb")  # noqa: SIM115
@@ -382,7 +383,8 @@ class _InProcess:
 
         self.cfg = cfg
         self.engine = build_engine(
-            ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype), EngineConfig(max_batch_size=1)
+            ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype),
+            EngineConfig(max_batch_size=1, prefix_caching=COMPARE_PREFIX_CACHING),
         )
         self.ids = [tuple(encode_text(self.engine.tokenizer, p)) for p in prompts]
         self.tokens: dict[tuple[str, Mode], int] = {}
