@@ -49,6 +49,13 @@ def cuda_engine(tiny_pair) -> Engine:
     return build_engine(spec, EngineConfig(max_batch_size=8, max_model_len=256))
 
 
+def test_prefix_caching_on_cuda_keeps_the_output(tiny_pair) -> None:
+    """Blocks shared from the prefix cache on the GPU give what an engine without the cache gives."""
+    from tests.engine.test_prefix_cache import check_output_with_prefix_caching
+
+    check_output_with_prefix_caching(tiny_pair, "cuda")
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_greedy_on_cuda_equals_target_alone(cuda_engine: Engine, k: int) -> None:
     assert cuda_engine.device.type == "cuda"

@@ -133,9 +133,9 @@ SYSTEM = "import os\nimport sys\nfrom collections import deque\n\n\ndef _helper(
 TAILS = ["def wrap(text, width=70):\n", "class TextWrapper:\n", "def insort(a, x):\n    lo = 0\n", "x"]
 
 
-def _engine(tiny_pair, prefix_caching: bool, **cfg) -> Engine:
+def _engine(tiny_pair, prefix_caching: bool, device: str = "cpu", **cfg) -> Engine:
     target, draft = tiny_pair
-    spec = ModelSpec(str(target), str(draft), "float32", "float32")
+    spec = ModelSpec(str(target), str(draft), "float32", "float32", device=device)
     defaults = {"max_batch_size": 4, "max_model_len": 256, "kv_block_size": 8, "prefix_caching": prefix_caching}
     return build_engine(spec, EngineConfig(**(defaults | cfg)))
 
@@ -164,10 +164,15 @@ def _outputs(engine: Engine, reqs: list[Request], one_by_one: bool) -> dict[str,
 
 
 def test_engine_output_is_the_same_with_prefix_caching_and_the_pool_comes_back(tiny_pair) -> None:
+    check_output_with_prefix_caching(tiny_pair, "cpu")
+
+
+def check_output_with_prefix_caching(tiny_pair, device: str) -> None:
     """Greedy and seeded rows over a shared system prompt, each method, alone and batched, and a
     second turn that repeats a first turn's answer: token for token what an engine without the
-    cache produces, with hits counted, and every block free (cached or never used) at the end."""
-    cold, warm = _engine(tiny_pair, False), _engine(tiny_pair, True)
+    cache produces, with hits counted, and every block free (cached or never used) at the end
+    (tests/test_cuda.py runs it on a GPU)."""
+    cold, warm = _engine(tiny_pair, False, device), _engine(tiny_pair, True, device)
     assert not cold.cache.prefix_caching and warm.cache.prefix_caching
     want = _outputs(cold, _requests(cold, "a"), one_by_one=True)
     first = _outputs(warm, _requests(warm, "a"), one_by_one=True)  # the later ones hit the system prompt
