@@ -15,6 +15,9 @@
   the previous prompt, its answer and a new question, with the prefix cache on and off (one engine,
   the two ways interleaved, each conversation distinct): time to first token per turn, the ratio,
   the tokens the cache served, and whether the answers were the same.
+- ``prefix-stack``: the same conversations through ``specd serve`` (``--pair`` if given): two
+  stacks at once, ``--prefix-caching on`` and ``off``, the conversations alternating between them;
+  time to first streamed token per turn, ``usage.prompt_tokens_details.cached_tokens``, the texts.
 - ``decode``: per-token decode time across a long output, in windows of ``--window`` tokens (flat
   means no per-round work grows with the output: detokenization, block tables).
 - ``memory``: resident memory of this process after loading the pair and prefilling a prompt of
@@ -34,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -294,7 +298,7 @@ def _tree_rss(root: int) -> int:
 class _Serve:
     """``specd serve`` (its defaults, ``--pair`` if given) in its own process group, on free ports."""
 
-    def __init__(self, pair: str | None) -> None:
+    def __init__(self, pair: str | None, extra: tuple[str, ...] = ()) -> None:
         import subprocess
 
         from specd.services.common.ports import free_ports
@@ -307,7 +311,9 @@ class _Serve:
         cmd += ["--target-metrics-port", str(tm)]
         if pair:
             cmd += ["--pair", pair]
-        self.proc = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent)
+        cmd += list(extra)
+        # Its output to stderr: this tool's stdout is the JSON result.
+        self.proc = subprocess.Popen(cmd, stdout=sys.stderr, process_group=0, preexec_fn=die_with_parent)
         self.url = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout: float = 900) -> float:
@@ -360,6 +366,69 @@ def _long_text(tokenizer, n: int) -> str:
     while len(tokenizer(text)["input_ids"]) < n:
         text += FILLER
     return tokenizer.decode(tokenizer(text)["input_ids"][:n])
+
+
+def _first_token_through(url: str, prompt: str, max_tokens: int) -> tuple[float, str, dict]:
+    """One streamed greedy completion: seconds to its first text, the text, and its usage."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    t0, first, text, usage = time.perf_counter(), None, "", {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            piece = (event.get("choices") or [{}])[0].get("text") or ""
+            if piece and first is None:
+                first = time.perf_counter() - t0
+            text += piece
+            usage = event.get("usage") or usage
+    return first, text, usage
+
+
+def bench_prefix_stack(args) -> dict:
+    from specd.services.engine.builder import load_tokenizer
+
+    stacks = {way: _Serve(args.pair, ("--prefix-caching", way)) for way in ("on", "off")}
+    try:
+        for s in stacks.values():
+            s.wait_ready()
+        tok = load_tokenizer(str(_spec_of(args).target))
+        ttft: dict[str, list[list[float]]] = {"on": [], "off": []}
+        cached: dict[str, list[list[int]]] = {"on": [], "off": []}
+        texts: dict[str, list[list[str]]] = {"on": [], "off": []}
+        for rep in range(args.repeats):
+            for way in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+                prompt = f"# conversation {rep}\n" + _long_text(tok, args.tokens)
+                times, hits, said = [], [], []
+                for turn in range(args.turns):
+                    prompt += f"\n# turn {turn}: write merge_{turn}\n"
+                    first, text, usage = _first_token_through(stacks[way].url, prompt, args.output)
+                    times.append(first)
+                    hits.append(usage["prompt_tokens_details"]["cached_tokens"])
+                    said.append(text)
+                    prompt += text
+                ttft[way].append(times)
+                cached[way].append(hits)
+                texts[way].append(said)
+    finally:
+        for s in stacks.values():
+            s.stop()
+    per_turn = {w: [statistics.median(t[i] for t in ttft[w]) for i in range(args.turns)] for w in ttft}
+    return {
+        "mode": "prefix-stack",
+        "context_tokens": args.tokens,
+        "turns": args.turns,
+        "output_tokens": args.output,
+        "ttft_s": ttft,
+        "ttft_median_by_turn_s": per_turn,
+        "ttft_off_over_on_by_turn": [off / on for off, on in zip(per_turn["off"], per_turn["on"])],
+        "cached_prompt_tokens": cached,
+        "same_texts": texts["on"] == texts["off"],
+    }
 
 
 def bench_gap_stack(args) -> dict:
@@ -455,6 +524,7 @@ def bench_serve_memory(args) -> dict:
 MODES = {
     "serve-memory": bench_serve_memory,
     "gap-stack": bench_gap_stack,
+    "prefix-stack": bench_prefix_stack,
     "gap": bench_gap,
     "chunk-cost": bench_chunk_cost,
     "ttft": bench_ttft,
@@ -480,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     if args.output is None:
-        args.output = 48 if args.mode == "prefix" else 2048
+        args.output = 48 if args.mode.startswith("prefix") else 2048
     if args.threads:
         torch.set_num_threads(args.threads)
     out = MODES[args.mode](args) | {"pid": os.getpid(), "note": "single run; a shared machine makes it noisy"}
