@@ -48,6 +48,11 @@ pytestmark = pytest.mark.demo
 
 TRAFFIC_SECONDS = 20.0
 CLIENTS = 3
+# Every chat opens with it, as a chat application's do, so the prefix cache panel has hits to show.
+SYSTEM = (
+    "You are a Python tutor. Answer in two or three sentences, name the module the function comes "
+    "from, give one short example of a call and its result, and say what error a wrong argument raises."
+)
 PROMPTS = (
     "Explain `os.path.join`.",
     "Explain `json.dumps`.",
@@ -127,7 +132,10 @@ def drive_traffic(url: str, seconds: float, clients: int) -> dict:
             while time.monotonic() < stop_at:
                 body = {
                     "model": "demo-target",
-                    "messages": [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}],
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]},
+                    ],
                     "max_tokens": 48,
                     "temperature": 0.0 if n % 2 == 0 else 0.8,
                     "seed": 100 * i + n,
@@ -293,6 +301,8 @@ def test_dashboard_queries_return_data_from_a_live_stack(tmp_path: Path) -> None
         Path(os.environ["SPECD_DASHBOARD_RESULTS"]).write_text(results_path.read_text())
 
     assert not failures, "dashboard queries without data:\n" + "\n".join(failures)
+    hits = next(p for p in results if p["title"] == "Prefix cache hits")["targets"][0]["instant"]
+    assert float(hits[0]["value"][1]) > 0, "every chat shares the system prompt: the prefix cache should serve some"
 
     png = tmp_path / "dashboard.png"
     render = subprocess.run(
