@@ -197,44 +197,52 @@ def _first_token_and_answer(engine: Engine, req: Request) -> tuple[float, list[i
     return first, tokens, cached
 
 
-def bench_prefix(args) -> dict:
-    engine = build_engine(_spec_of(args), _config(args))
-    caches = [engine.cache] + [getattr(engine.model_drafter, "cache", engine.cache)]  # the target's, the draft's
-    assert all(c.supports_prefix_caching for c in caches), "a cache here cannot share blocks"
-    ttft: dict[str, list[list[float]]] = {"on": [], "off": []}
-    cached: dict[str, list[list[int]]] = {"on": [], "off": []}
-    answers: dict[str, list[list[list[int]]]] = {"on": [], "off": []}
+def _compare_conversations(args, mode: str, converse) -> dict:
+    """``converse(way, rep)`` runs one conversation with the prefix cache ``way`` ("on" or "off") and
+    returns its (times to first token, cached prompt tokens, answers) per turn; the two ways
+    alternate, the first way of each repeat swapping, and the result compares them turn by turn."""
+    runs: dict[str, list[tuple[list, list, list]]] = {"on": [], "off": []}
     for rep in range(args.repeats):
         for way in ("on", "off") if rep % 2 == 0 else ("off", "on"):
-            for c in caches:
-                c.prefix_caching = way == "on"
-            prompt = prompt_ids(engine, args.tokens, f"# conversation {rep}\n")
-            times, hits, said = [], [], []
-            for turn in range(args.turns):
-                question = engine.tokenizer(f"\n# turn {turn}: write merge_{turn}\n", add_special_tokens=False)
-                prompt = prompt + tuple(question["input_ids"])
-                first, answer, hit = _first_token_and_answer(
-                    engine, Request(f"{way}{rep}.{turn}", prompt, _greedy(args.output), SpecConfig())
-                )
-                times.append(first)
-                hits.append(hit)
-                said.append(answer)
-                prompt = prompt + tuple(answer)
-            ttft[way].append(times)
-            cached[way].append(hits)
-            answers[way].append(said)
+            runs[way].append(converse(way, rep))
+    ttft = {w: [r[0] for r in runs[w]] for w in runs}
     per_turn = {w: [statistics.median(t[i] for t in ttft[w]) for i in range(args.turns)] for w in ttft}
     return {
-        "mode": "prefix",
+        "mode": mode,
         "context_tokens": args.tokens,
         "turns": args.turns,
         "output_tokens": args.output,
         "ttft_s": ttft,
         "ttft_median_by_turn_s": per_turn,
         "ttft_off_over_on_by_turn": [off / on for off, on in zip(per_turn["off"], per_turn["on"])],
-        "cached_prompt_tokens": cached,
-        "same_answers": answers["on"] == answers["off"],
+        "cached_prompt_tokens": {w: [r[1] for r in runs[w]] for w in runs},
+        "same_answers": [r[2] for r in runs["on"]] == [r[2] for r in runs["off"]],
     }
+
+
+def bench_prefix(args) -> dict:
+    engine = build_engine(_spec_of(args), _config(args))
+    caches = [engine.cache] + [getattr(engine.model_drafter, "cache", engine.cache)]  # the target's, the draft's
+    assert all(c.supports_prefix_caching for c in caches), "a cache here cannot share blocks"
+
+    def converse(way: str, rep: int) -> tuple[list, list, list]:
+        for c in caches:
+            c.prefix_caching = way == "on"
+        prompt = prompt_ids(engine, args.tokens, f"# conversation {rep}\n")
+        times, hits, said = [], [], []
+        for turn in range(args.turns):
+            question = engine.tokenizer(f"\n# turn {turn}: write merge_{turn}\n", add_special_tokens=False)
+            prompt = prompt + tuple(question["input_ids"])
+            first, answer, hit = _first_token_and_answer(
+                engine, Request(f"{way}{rep}.{turn}", prompt, _greedy(args.output), SpecConfig())
+            )
+            times.append(first)
+            hits.append(hit)
+            said.append(answer)
+            prompt = prompt + tuple(answer)
+        return times, hits, said
+
+    return _compare_conversations(args, "prefix", converse)
 
 
 def bench_decode(args) -> dict:
@@ -397,38 +405,23 @@ def bench_prefix_stack(args) -> dict:
         for s in stacks.values():
             s.wait_ready()
         tok = load_tokenizer(str(_spec_of(args).target))
-        ttft: dict[str, list[list[float]]] = {"on": [], "off": []}
-        cached: dict[str, list[list[int]]] = {"on": [], "off": []}
-        texts: dict[str, list[list[str]]] = {"on": [], "off": []}
-        for rep in range(args.repeats):
-            for way in ("on", "off") if rep % 2 == 0 else ("off", "on"):
-                prompt = f"# conversation {rep}\n" + _long_text(tok, args.tokens)
-                times, hits, said = [], [], []
-                for turn in range(args.turns):
-                    prompt += f"\n# turn {turn}: write merge_{turn}\n"
-                    first, text, usage = _first_token_through(stacks[way].url, prompt, args.output)
-                    times.append(first)
-                    hits.append(usage["prompt_tokens_details"]["cached_tokens"])
-                    said.append(text)
-                    prompt += text
-                ttft[way].append(times)
-                cached[way].append(hits)
-                texts[way].append(said)
+
+        def converse(way: str, rep: int) -> tuple[list, list, list]:
+            prompt = f"# conversation {rep}\n" + _long_text(tok, args.tokens)
+            times, hits, said = [], [], []
+            for turn in range(args.turns):
+                prompt += f"\n# turn {turn}: write merge_{turn}\n"
+                first, text, usage = _first_token_through(stacks[way].url, prompt, args.output)
+                times.append(first)
+                hits.append(usage["prompt_tokens_details"]["cached_tokens"])
+                said.append(text)
+                prompt += text
+            return times, hits, said
+
+        return _compare_conversations(args, "prefix-stack", converse)
     finally:
         for s in stacks.values():
             s.stop()
-    per_turn = {w: [statistics.median(t[i] for t in ttft[w]) for i in range(args.turns)] for w in ttft}
-    return {
-        "mode": "prefix-stack",
-        "context_tokens": args.tokens,
-        "turns": args.turns,
-        "output_tokens": args.output,
-        "ttft_s": ttft,
-        "ttft_median_by_turn_s": per_turn,
-        "ttft_off_over_on_by_turn": [off / on for off, on in zip(per_turn["off"], per_turn["on"])],
-        "cached_prompt_tokens": cached,
-        "same_texts": texts["on"] == texts["off"],
-    }
 
 
 def bench_gap_stack(args) -> dict:
