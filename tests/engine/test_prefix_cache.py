@@ -145,7 +145,7 @@ def _ids(engine: Engine, text: str) -> tuple[int, ...]:
 
 
 def _requests(engine: Engine, tag: str, n: int = 24) -> list[Request]:
-    """Prompts sharing a long prefix, every method, greedy and seeded sampling."""
+    """Prompts sharing a long prefix, draft, n-gram, none and auto, greedy and seeded sampling."""
     methods = [("draft", 3), ("ngram", 4), ("none", 0), ("auto", 4)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
