@@ -29,8 +29,9 @@ for sub in ("v1", "services", "gateway", "benchmarks"):  # setup.py's folders, e
     for m in pkgutil.walk_packages(pkg.__path__, f"{pkg.__name__}."):
         importlib.import_module(m.name)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast  # noqa
-lazy = ["ray", "fastapi", "uvicorn", "httpx", "transformers.models.qwen2.modeling_qwen2"]
-for name in lazy + ["transformers.models.llama.modeling_llama", "scipy.stats", "matplotlib.pyplot"]:
+lazy = ["ray", "fastapi", "uvicorn", "httpx", "transformers.models.qwen2.modeling_qwen2",
+        "transformers.models.llama.modeling_llama", "scipy.stats", "matplotlib.pyplot"]
+for name in lazy:
     # scipy and matplotlib come with the dev and bench extras only
     try:
         importlib.import_module(name)

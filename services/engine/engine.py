@@ -518,9 +518,8 @@ class Engine:
                 # A seeded sampled request is planned from its own history alone, so it repeats
                 # exactly whatever shares its batch and however fast the rounds run.
                 deterministic = p.seeded_sampling
-                # A draft not ready for the row (prefilling it, or past its context) is no option;
-                # a seeded row's plan leaves readiness out, as it does everything outside the row.
-                model_ok = have_model and (deterministic or self.model_drafter.ready(seq.req.request_id))
+                # A draft not ready for the row (prefilling it, or past its context) is no option.
+                model_ok = have_model and self._draft_may_guess(seq)
                 rows.append(
                     RowPlan(
                         seq.acceptance,
@@ -656,12 +655,7 @@ class Engine:
         model_idx = [
             i
             for i in active
-            if (routes[i] == "draft" or (routes[i] == "hybrid" and i not in matched))
-            # A draft still prefilling this prompt has nothing to guess from yet, but a seeded sampled
-            # row is asked anyway (the draft feeds the rest of the prompt first): whether the draft
-            # is ready depends on what else it prefilled, and the row's output must not (the target,
-            # with prefix caching, may be ready first).
-            and (seqs[i].req.params.seeded_sampling or self.model_drafter.ready(seqs[i].req.request_id))
+            if (routes[i] == "draft" or (routes[i] == "hybrid" and i not in matched)) and self._draft_may_guess(seqs[i])
         ]
         model_prop = None
         model_seconds = 0.0
@@ -698,6 +692,14 @@ class Engine:
             return guesses, q, drafted, (0, 0, model_seconds, 0)
         steps = max(ks[i] for i in model_idx)
         return guesses, q, drafted, (steps, len(model_idx), model_seconds, model_prop.caught_up)
+
+    def _draft_may_guess(self, seq: _Seq) -> bool:
+        """Whether the draft model is asked for this row's guesses (planned and proposed alike): not
+        while it is still prefilling the prompt (or past its context), except for a seeded sampled
+        row, which is asked anyway (the draft feeds the rest of the prompt first). Whether the draft
+        is ready depends on what else it prefilled, and a seeded row's output must not (with prefix
+        caching the target may be ready first)."""
+        return seq.req.params.seeded_sampling or self.model_drafter.ready(seq.req.request_id)
 
     def _draft_row(self, seq: _Seq, k: int, sampled_draft: bool) -> DraftRow:
         greedy = seq.req.params.greedy

@@ -157,6 +157,10 @@ class BlockTable(SlotAllocator):
         del self._by_digest[self._digest_of.pop(block)]
         return block
 
+    def _hold_again(self, block: int) -> None:
+        """One more slot holds a block some slot holds already (free_positions counts them down)."""
+        self._holders[block] = self._holders.get(block, 1) + 1
+
     def _drop_block(self, block: int) -> None:
         """Its last holder let go."""
         if block in self._digest_of:
@@ -192,7 +196,7 @@ class BlockTable(SlotAllocator):
             if block in self._idle:
                 del self._idle[block]
             else:
-                self._holders[block] = self._holders.get(block, 1) + 1
+                self._hold_again(block)
         if hit:
             self.blocks[slot] = hit
             self.table[slot, : len(hit)] = torch.tensor(hit, dtype=torch.long)
@@ -269,7 +273,7 @@ class BlockTable(SlotAllocator):
             return False
         shared = self.blocks[src][:full]
         for b in shared:
-            self._holders[b] = self._holders.get(b, 1) + 1
+            self._hold_again(b)
         own = []
         if partial:
             own = [self._take_block()]

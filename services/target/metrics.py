@@ -141,7 +141,10 @@ class SpecExporter:
             ACCEPTANCE_RATE.set(self._accepted / self._proposed)
 
     def record_prompts(self, prompt_tokens: int, cached_prompt_tokens: int) -> None:
-        """The engine's running totals of admitted prompt tokens and prefix-cache hits."""
+        """The engine's running totals of admitted prompt tokens and prefix-cache hits (called every
+        round; the counters move only when a request was admitted)."""
+        if prompt_tokens == self._prompt_tokens:
+            return
         PROMPT_TOKENS.inc(prompt_tokens - self._prompt_tokens)
         PREFIX_CACHE_HIT_TOKENS.inc(cached_prompt_tokens - self._cached_prompt_tokens)
         self._prompt_tokens, self._cached_prompt_tokens = prompt_tokens, cached_prompt_tokens
