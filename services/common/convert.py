@@ -22,8 +22,10 @@ def sampling_from_pb(s: common_pb2.SamplingParams, **request_fields: Any) -> Sam
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    """The fields that shape a distribution (what a draft needs to build the same q as the target's p)."""
-    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+    """What a draft needs: the fields that shape a distribution (to build the same q as the
+    target's p), and the seed, which tells it that the request is seeded (draft.proto's
+    Block.prefilling says why)."""
+    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
 
 
 def placement_to_pb(p: Placement) -> common_pb2.Placement:

@@ -38,7 +38,7 @@ def rows_from_pb(rnd: draft_pb2.DraftRound) -> list[ProposeReq]:
 
 
 def block_to_pb(b: BlockOut) -> draft_pb2.Block:
-    msg = draft_pb2.Block(sequence_id=b.seq_id, token_ids=b.token_ids, error=_ERRORS[b.error])
+    msg = draft_pb2.Block(sequence_id=b.seq_id, token_ids=b.token_ids, error=_ERRORS[b.error], prefilling=b.prefilling)
     if b.token_ids:
         msg.source = _SOURCES[b.source]
     for ids, probs in zip(b.sparse_ids, b.sparse_probs):

@@ -62,6 +62,7 @@ class BlockOut:
     # (drafted ahead, sent before the round and taken by the target)
     source: str = "fresh"
     alternatives: list[int] = field(default_factory=list)  # per guess its runner-up (when drafting ahead)
+    prefilling: bool = False  # no guesses: the draft has not prefilled the context yet (not a failed guess)
 
 
 @dataclass
@@ -236,8 +237,11 @@ class DraftWorker:
                 source = "offered" if r.offer_taken else "prepared" if claim.ready else "continued"
                 out[r.seq_id] = BlockOut(r.seq_id, source=source)
                 continue
-            if not self.drafter.ready(k):
-                out[r.seq_id] = BlockOut(r.seq_id)  # still prefilling: no guesses this round, no error
+            if not self.drafter.ready(k) and not st.params.seeded_sampling:
+                # Still prefilling: no guesses this round, no error. A seeded row is drafted for
+                # anyway (the draft feeds the rest of its context first), as the in-process engine
+                # does: its tokens must not depend on how far this draft's prefill has got.
+                out[r.seq_id] = BlockOut(r.seq_id, prefilling=True)
                 continue
             greedy = st.params.greedy
             rows.append(DraftRow(k, st.tokens, r.k, greedy, None if greedy else r.round_seed))

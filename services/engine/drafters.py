@@ -60,6 +60,10 @@ class Proposal:
     # asking at batch 1, so sequences stopped being opened at admission, and every ask after that
     # prefilled a whole context: it never came back (mean k 0.1).
     timed: bool = True
+    # Rows (indices into the rows proposed for) that got no guesses because a draft service is
+    # still prefilling their context: nobody guessed for them, which is not a failed guess (auto
+    # would otherwise turn the draft down for a request whose prompt the target found cached).
+    prefilling: frozenset[int] = frozenset()
 
 
 class Drafter(Protocol):

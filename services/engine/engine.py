@@ -612,7 +612,8 @@ class Engine:
         for seq, row, d in zip(seqs, host, drafted):
             proposed, emitted = row[-1], row[-2]
             if d == MODEL and proposed == 0:
-                # Asked and got nothing (a remote draft still prefilling the row, or out of time):
+                # Asked and got nothing (out of time, or its blocks ran out; a remote draft still
+                # prefilling the row says so and is no guess at all: Proposal.prefilling):
                 # a first guess that failed, so what the model is expected to give counts how
                 # often it gives anything. Else a row the draft never serves looks as good as
                 # one it does, and a round verifies a width nobody fills.
@@ -686,7 +687,9 @@ class Engine:
             elif model_prop.probs is not None:
                 q = torch.zeros((B, K, model_prop.probs.shape[-1]), device=self.device)
                 q[idx_t, :width_model] = model_prop.probs
-        model_set = set(model_idx)
+        # A row whose draft service is still prefilling it was guessed for by nobody (Proposal.prefilling).
+        waiting = model_prop.prefilling if model_prop is not None else frozenset()
+        model_set = {i for j, i in enumerate(model_idx) if j not in waiting}
         drafted = [MODEL if i in model_set else NGRAM if i in matched else -1 for i in range(B)]
         if model_prop is None or not model_prop.timed:  # (Proposal.timed)
             return guesses, q, drafted, (0, 0, model_seconds, 0)

@@ -481,6 +481,7 @@ class RemoteDrafter:
         t0 = time.monotonic()
         deadline = t0 + self.cfg.round_timeout
         blocks: dict[int, draft_pb2.Block] = dict(offered)  # row -> its block
+        prefilling: set[int] = set()  # rows whose draft has not prefilled them yet (Block.prefilling)
         for ep, round_id, idx in pending:
             late = functools.partial(self._late, ep)
             reply = ep.stream.receive(round_id, deadline, late) if ep.stream is not None else None
@@ -498,6 +499,8 @@ class RemoteDrafter:
                         del offered[i], blocks[i]
                 elif i is not None and self._usable_block(b, rows[i]):
                     blocks[i] = b
+                elif i is not None and b.prefilling:
+                    prefilling.add(i)
         for i, b in blocks.items():
             n = min(len(b.token_ids), rows[i].k)
             token_ids[i, :n] = torch.tensor(b.token_ids[:n], dtype=torch.long)
@@ -510,10 +513,15 @@ class RemoteDrafter:
             self.on_round(DraftRoundReport(time.monotonic() - t0 if pending else 0.0, sources))
         # Only as wide as what arrived: with every draft down the target verifies a single token.
         width = int((token_ids >= 0).sum(dim=1).max())
+        waiting = frozenset(prefilling)
         if width == 0:
-            return Proposal(to_device(token_ids[:, :0], self.device), None, caught_up=caught_up, timed=timed)
+            return Proposal(
+                to_device(token_ids[:, :0], self.device), None, caught_up=caught_up, timed=timed, prefilling=waiting
+            )
         probs = self._sparse_q(blocks, rows, len(rows), width) if any_sampled else None
-        return Proposal(to_device(token_ids[:, :width], self.device), probs, caught_up=caught_up, timed=timed)
+        return Proposal(
+            to_device(token_ids[:, :width], self.device), probs, caught_up=caught_up, timed=timed, prefilling=waiting
+        )
 
     def close(self) -> None:
         for e in self.endpoints:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from specd.services.engine.builder import load_tokenizer
+from specd.services.engine.controller import MODEL
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.model import load_model
 from specd.services.engine.sampling import SamplingParams
@@ -347,3 +348,86 @@ def test_sequences_are_opened_at_admission_only_while_the_draft_is_asked(micro_d
         assert drafter.unseen("late", len(prompt) + 9) == 8  # after rounds it sat out
     finally:
         drafter.close()
+
+
+_PREFILLED_IN_ROUNDS = tuple(1 + i % 11 for i in range(40))  # 39 to prefill: 5 rounds at 8
+
+
+def test_a_row_the_draft_still_prefills_is_no_failed_guess(micro_pair, monkeypatch) -> None:
+    """A draft service that has not prefilled a row's context yet (a long prompt; with prefix
+    caching the target may start decoding at once) answers it with a block marked prefilling.
+    ``auto`` counts that round as one without a guess, not as a first guess that failed, so the
+    draft model's acceptance for the request is what its real guesses make it (before, those
+    rounds counted as failed first guesses and could turn speculation off for the request)."""
+    grpc_thread = GrpcThread()
+    try:
+        draft = start_draft(grpc_thread, micro_pair[1], support=4, prefill_chunk=8)
+        # The draft prefills only inside rounds, 8 tokens each: a 40-token prompt takes 5 rounds.
+        monkeypatch.setattr(draft.servicer.worker, "prefill_idle", lambda: False)
+        draft.spy()
+        engine = _remote_engine(micro_pair, draft.address)
+        events: list[tuple[str, object]] = []  # in order: each proposal's prefilling rows, each round's rows
+        propose, observe = engine.model_drafter.propose, engine.controller.observe_rows
+
+        def propose_spy(rows, sampling):
+            prop = propose(rows, sampling)
+            events.append(("proposed", prop.prefilling))
+            return prop
+
+        def observe_spy(rows) -> None:
+            events.append(("observed", [(d, proposed) for _, _, d, proposed, _ in rows]))
+            observe(rows)
+
+        monkeypatch.setattr(engine.model_drafter, "propose", propose_spy)
+        monkeypatch.setattr(engine.controller, "observe_rows", observe_spy)
+        # The micro target soon repeats itself: keep auto on the draft model, the drafter under test.
+        monkeypatch.setattr(engine.ngram, "lookup", lambda tokens, k, seq_id=None: [])
+        prompt = _PREFILLED_IN_ROUNDS
+        try:
+            greedy = SamplingParams(0.0, max_tokens=16, ignore_eos=True)
+            res = engine.generate([Request("g", prompt, greedy, SpecConfig("auto", 3))])
+        finally:
+            engine.close()
+        blocks = [b for _, reply in draft.rounds for b in reply.blocks]
+    finally:
+        grpc_thread.close()
+    assert res["g"].stats.proposed_tokens > 0
+    assert blocks[0].prefilling and not blocks[0].token_ids and not blocks[0].error
+    assert blocks[-1].token_ids and not blocks[-1].prefilling
+    waits = [i for i, (kind, value) in enumerate(events) if kind == "proposed" and value]
+    assert len(waits) >= 4, events  # 40 tokens at 8 a round: the first rounds found it prefilling
+    for i in waits:
+        kind, rows = events[i + 1]
+        assert kind == "observed" and rows == [(-1, 0)], events  # a round without a guess
+    assert any(kind == "observed" and rows[0][0] == MODEL for kind, rows in events), events
+
+
+def test_the_draft_answers_a_seeded_row_it_still_prefills(micro_pair) -> None:
+    """A seeded sampled row gets guesses in the round that finds it half prefilled, and they, and
+    their q, are those of a draft that prefilled it whole (its tokens must not depend on how far
+    the draft has got); an unseeded one is told prefilling. The parameters cross the wire as the
+    target sends them (the seed is what says seeded)."""
+    import torch
+
+    from specd.services.common.constants import MAX_SPECULATIVE_TOKENS
+    from specd.services.common.convert import sampling_from_pb, sampling_to_pb
+    from specd.services.draft.worker import DraftWorker, OpenSeq, ProposeReq
+    from specd.services.engine.drafters import ModelDrafter
+
+    model = load_model(str(micro_pair[1]), torch.float32, "cpu")
+    tokens = list(_PREFILLED_IN_ROUNDS)
+
+    def first_block(chunk: int, params: SamplingParams):
+        worker = DraftWorker(ModelDrafter(model, 2, 200, support=4), 180, 4, MAX_SPECULATIVE_TOKENS, chunk)
+        worker.open("s", OpenSeq("x", tokens, sampling_from_pb(sampling_to_pb(params))))
+        (block,) = worker.propose("s", [ProposeReq("x", 0, [], len(tokens), 3, round_seed=1234)])
+        return block
+
+    seeded = SamplingParams(0.8, seed=7)
+    half, whole = first_block(8, seeded), first_block(1000, seeded)
+    assert not half.prefilling and len(half.token_ids) == 3
+    assert half.token_ids == whole.token_ids
+    for a, b in zip(half.sparse_probs + half.sparse_ids, whole.sparse_probs + whole.sparse_ids):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    unseeded = first_block(8, SamplingParams(0.8))
+    assert unseeded.prefilling and not unseeded.token_ids
