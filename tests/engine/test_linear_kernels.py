@@ -35,13 +35,20 @@ def test_matches_a_float32_reference(op, n: int, k: int) -> None:
         assert (got.float() - want).abs().max() <= 2**-7 * want.abs().max() + 1e-3
 
 
-def test_rows_are_bit_identical_whatever_the_batch(op) -> None:
+@pytest.mark.parametrize(("n", "k"), [(203, 136), (300, 1536)])
+def test_rows_are_bit_identical_whatever_the_batch(op, n: int, k: int) -> None:
+    """Decoding's blocks (up to 7 rows) and a prefill's (8 rows and more: block_halves, 3 rows
+    against 4 weight rows, the rest in decoding's blocks) give every row the same bits. 136 = 8 *
+    16 + 8 exercises the scalar tail; 203 weight rows, and 1536's tiles of 84 rows split over the
+    threads, leave weight rows that block_halves hands to the one-row block. float32 activations
+    (as the fused forward passes them), so that the result is compared in every bit, not after a
+    rounding to bf16."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(200, 136, generator=g).bfloat16()  # 136 = 8 * 16 + 8: exercises the scalar tail
-    b = torch.randn(200, generator=g).bfloat16()
-    x = torch.randn(40, 136, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(40, k, generator=g)
     whole = op(x, w, b)
-    for m in (1, 2, 6, 7, 8, 13, 39):
+    for m in (1, 2, 6, 7, 8, 9, 13, 39):
         assert torch.equal(op(x[:m], w, b), whole[:m])
     assert torch.equal(op(x[17:18], w, b), whole[17:18])  # a row alone equals it inside a block
     shuffled = torch.randperm(40, generator=g)

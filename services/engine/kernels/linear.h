@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace specd {
@@ -149,6 +150,57 @@ void block(const float* x, const C& c, const float* bias, float* out, int64_t ld
   if (n < n1) block<C, R, 1>(x, c, bias, out, ldo, n, n1);  // the odd row: same arithmetic per row
 }
 
+// Prefill-sized batches: block<C, R, NR>'s arithmetic for every output (the a0 chain over the even
+// 8-lane half of each step, the a1 chain over the odd half, then hsum(a0 + a1)), with the two
+// chains run one after the other over the weight rows, so half the accumulators are live at once:
+// 3 input rows x 4 weight rows fit the 16 registers, each weight vector widened feeds 3 rows and
+// each x vector 4 weight rows (block<C, 7, 1> loads an x vector per FMA, and decoding's blocks are
+// built for streaming weights, not for reuse). The weights are read twice, the second time from
+// L2 (linear_rows' tile). Bit-identical to block<C, R, NR>, so batch invariance is kept.
+constexpr int kHalvesRows = 3, kHalvesWeightRows = 4;
+constexpr int64_t kHalvesMinRows = 8;  // below, the decoding blocks (memory-bound) are as fast
+
+template <typename C, int R, int NR>
+void block_halves(const float* x, const C& c, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t K = c.K, K16 = K - K % C::kStep;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    __m256 a0[NR][R], a1[NR][R];
+    // One chain: acc accumulates half H of every step (H = 0: a0, H = 1: a1), as block does.
+    auto chain = [&](auto half, __m256 (&acc)[NR][R]) {
+      constexpr int H = decltype(half)::value;
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K16; k += C::kStep) {
+        if (H == 0 && k % C::kWeightsPerLine == 0)
+#pragma GCC unroll 4
+          for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) {
+          __m256 wv[C::kStep / 8];
+          c.widen(n + j, k, wv);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            acc[j][r] = _mm256_fmadd_ps(wv[H], _mm256_loadu_ps(x + r * K + k + 8 * H), acc[j][r]);
+        }
+      }
+    };
+    chain(std::integral_constant<int, 0>{}, a0);
+    chain(std::integral_constant<int, 1>{}, a1);
+    for (int j = 0; j < NR; ++j) {
+      for (int r = 0; r < R; ++r) {
+        float s = hsum(_mm256_add_ps(a0[j][r], a1[j][r]));
+        for (int64_t k = K16; k < K; ++k) s += c.scalar(n + j, k) * x[r * K + k];
+        s = c.finish(n + j, s);
+        out[r * ldo + n + j] = bias ? s + bias[n + j] : s;
+      }
+    }
+  }
+  if (n < n1) block<C, R, 1>(x, c, bias, out, ldo, n, n1);  // the last rows: same arithmetic per row
+}
+
 template <typename C>
 using BlockFn = void (*)(const float*, const C&, const float*, float*, int64_t, int64_t, int64_t);
 
@@ -184,11 +236,17 @@ void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* 
     permute_rows_bf16(x, permuted.data(), M, K);
     x = permuted.data();
   }
-  const int64_t tile = std::max<int64_t>(4, (256 * 1024) / c.bytes_per_row());
+  // A whole number of block_halves' weight rows (else each tile's last rows take the slow path).
+  const int64_t tile_rows = (256 * 1024) / c.bytes_per_row();
+  const int64_t tile = std::max<int64_t>(kHalvesWeightRows, tile_rows / kHalvesWeightRows * kHalvesWeightRows);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
       const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      int64_t m0 = 0;
+      if (M >= kHalvesMinRows)
+        for (; m0 + kHalvesRows <= M; m0 += kHalvesRows)
+          block_halves<C, kHalvesRows, kHalvesWeightRows>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
+      for (; m0 < M; m0 += kMaxRows) {
         const int64_t R = std::min(kMaxRows, M - m0);
         kBlocks<C>[R](x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
       }
