@@ -419,7 +419,7 @@ class RemoteDrafter:
             ep.stream.send(msg)
 
     def ready(self, seq_id: str) -> bool:
-        # A draft still prefilling answers with an empty block (no guesses that round) instead.
+        # A draft still prefilling answers with a block marked so instead (Block.prefilling).
         return not self.seqs[seq_id].full
 
     def unseen(self, seq_id: str, length: int) -> int:

@@ -156,7 +156,8 @@ void block(const float* x, const C& c, const float* bias, float* out, int64_t ld
 // 3 input rows x 4 weight rows fit the 16 registers, each weight vector widened feeds 3 rows and
 // each x vector 4 weight rows (block<C, 7, 1> loads an x vector per FMA, and decoding's blocks are
 // built for streaming weights, not for reuse). The weights are read twice, the second time from
-// L2 (linear_rows' tile). Bit-identical to block<C, R, NR>, so batch invariance is kept.
+// cache (4 rows; linear_rows' tile is in L2). Bit-identical to block<C, R, NR>, so batch invariance
+// is kept.
 constexpr int kHalvesRows = 3, kHalvesWeightRows = 4;
 constexpr int64_t kHalvesMinRows = 8;  // below, the decoding blocks (memory-bound) are as fast
 
