@@ -42,6 +42,7 @@ def to_generate_request(body: ChatCompletionRequest | CompletionRequest, request
         max_tokens=body.token_limit() or 0,
         stop=body.stop_list(),
         ignore_eos=body.ignore_eos,
+        cache_salt=body.cache_salt or "",
     )
     if body.speculation is not None:
         method = body.speculation.method

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from specd.services.common.constants import MAX_SPECULATIVE_TOKENS, SPECULATION_METHODS
 
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 1024  # a salt is a tenant's name or key, not a payload
 MAX_JSON_DEPTH = 32  # the deepest request nests 5 levels; deeper is an attack, not a request
 # Counts and ids travel as 32-bit integers to the target; larger values are refused here, not
 # overflowed there (a context is far shorter than this anyway, and the target checks the vocabulary).
@@ -103,6 +104,9 @@ class _SamplingFields(_Strict):
     # extension: each choice also carries, per token, "draft" (an accepted guess) or "target"
     return_token_sources: bool = False
     speculation: Speculation | None = None
+    # extension (vLLM): the prefix cache serves this request only what requests with the same salt
+    # left there (tenants that must not learn from each other's timing)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     user: str | None = None
     # Accepted only at their neutral values (see module docstring).
     presence_penalty: float | None = None

@@ -18,7 +18,7 @@ _SOURCES = {
 
 
 def opens_from_pb(rnd: draft_pb2.DraftRound) -> list[OpenSeq]:
-    return [OpenSeq(o.sequence_id, list(o.token_ids), sampling_from_pb(o.sampling)) for o in rnd.open]
+    return [OpenSeq(o.sequence_id, list(o.token_ids), sampling_from_pb(o.sampling), o.cache_salt) for o in rnd.open]
 
 
 def rows_from_pb(rnd: draft_pb2.DraftRound) -> list[ProposeReq]:

@@ -37,6 +37,7 @@ class OpenSeq:
     seq_id: str
     token_ids: list[int]  # every committed token so far
     params: SamplingParams
+    cache_salt: str = ""  # the request's prefix-cache salt
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ class DraftWorker:
                 lane.drop_all()
         if self.drafter.free_slots == 0:
             return BlockError.NO_CAPACITY
-        self.drafter.add(k, seq.token_ids)
+        self.drafter.add(k, seq.token_ids, cache_salt=seq.cache_salt)
         self.states[k] = _State(list(seq.token_ids), seq.params)
         return BlockError.NONE
 

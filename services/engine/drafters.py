@@ -69,8 +69,11 @@ class Proposal:
 class Drafter(Protocol):
     """What the engine needs from a drafter."""
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Start tracking a sequence (``params``: its sampling, for drafters that need it up front)."""
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+    ) -> None:
+        """Start tracking a sequence (``params``: its sampling, for drafters that need it up front;
+        ``cache_salt``: the request's prefix-cache salt, for drafters with a prefix cache)."""
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
         """Guess up to ``row.k`` tokens for each row (``sampling`` matters only to model drafters)."""
@@ -154,7 +157,9 @@ class NGramDrafter:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[str, NGramIndex] = {}
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+    ) -> None:
         pass  # the context travels in each DraftRow; an index is made at the first lookup
 
     def remove(self, seq_id: str) -> None:
@@ -237,12 +242,15 @@ class ModelDrafter:
     def vocab_size(self) -> int:
         return self.model.info.vocab_size
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Take a slot; the prompt is prefilled by :meth:`prefill`, a chunk at a time."""
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+    ) -> None:
+        """Take a slot; the prompt is prefilled by :meth:`prefill`, a chunk at a time (after the
+        longest prefix cached under ``cache_salt``)."""
         slot = self.cache.allocate()
         # All but the last token: the last committed token is fed at the next proposal.
         prompt = list(prompt_ids[:-1])
-        cached = self.cache.attach_prefix(slot, prompt, len(prompt))
+        cached = self.cache.attach_prefix(slot, prompt, len(prompt), cache_salt)
         self.seqs[seq_id] = _DraftSeq(slot=slot, cache_len=cached, prompt=prompt)
 
     def ready(self, seq_id: str) -> bool:

@@ -108,6 +108,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     spec: SpecConfig = SpecConfig()
+    cache_salt: str = ""  # prefix caching: reuse only what requests with the same salt cached
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,7 @@ class Engine:
             slot = self.cache.allocate()
             prompt = list(req.prompt_ids)
             # The last prompt token is fed by the first decode round (the cache invariant).
-            hit = self.cache.attach_prefix(slot, prompt, len(prompt) - 1)
+            hit = self.cache.attach_prefix(slot, prompt, len(prompt) - 1, req.cache_salt)
             self.cache.reserve(slot, len(prompt))
             seed = req.params.seed
             seq = _Seq(
@@ -421,7 +422,7 @@ class Engine:
             self.prompt_tokens += len(prompt)
             self.cached_prompt_tokens += hit
             if self._may_use_model(req):
-                self.model_drafter.add(req.request_id, prompt, req.params)
+                self.model_drafter.add(req.request_id, prompt, req.params, req.cache_salt)
             self.running[req.request_id] = seq
 
     def _may_use_model(self, req: Request) -> bool:
@@ -456,7 +457,7 @@ class Engine:
                 self.cache.register(s.slot, s.tokens, s.cached)
 
     def _take_blocks(self, seq: _Seq) -> bool:
-        seq.cached = self.cache.attach_prefix(seq.slot, seq.tokens, len(seq.tokens) - 1)
+        seq.cached = self.cache.attach_prefix(seq.slot, seq.tokens, len(seq.tokens) - 1, seq.req.cache_salt)
         seq.has_blocks = self.cache.reserve(seq.slot, len(seq.tokens))
         if not seq.has_blocks:
             self.cache.free_positions(seq.slot)

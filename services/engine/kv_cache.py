@@ -132,6 +132,7 @@ class BlockTable(SlotAllocator):
         self._idle: OrderedDict[int, None] = OrderedDict()  # registered blocks no slot holds, oldest first
         # Per slot, the digests of its sequence's blocks so far (its tokens only grow while it holds the slot).
         self._digests: list[list[bytes]] = [[] for _ in range(num_slots)]
+        self._salts: list[bytes] = [b""] * num_slots  # per slot, its sequence's cache salt (attach_prefix)
 
     @property
     def free_blocks(self) -> int:
@@ -174,15 +175,22 @@ class BlockTable(SlotAllocator):
         bs = self.block_size
         while len(chain) < blocks:
             i = len(chain)
-            h = hashlib.sha256(chain[-1] if chain else b"specd-prefix")
+            h = hashlib.sha256(chain[-1] if chain else b"specd-prefix" + self._salts[slot])
             h.update(array("q", tokens[i * bs : (i + 1) * bs]).tobytes())
             chain.append(h.digest())
         return chain
 
-    def attach_prefix(self, slot: int, tokens: Sequence[int], limit: int) -> int:
+    def attach_prefix(self, slot: int, tokens: Sequence[int], limit: int, salt: str = "") -> int:
         """Give the empty ``slot`` the cached blocks of the longest registered prefix of ``tokens``
         that ends at or before ``limit``; returns its length in positions (0 without prefix caching
-        or without a hit). Those positions' K/V are then in place and must not be computed again."""
+        or without a hit). Those positions' K/V are then in place and must not be computed again.
+
+        ``salt`` starts the slot's digest chain (vLLM's cache_salt): only blocks registered under
+        the same salt are found, and the slot's own blocks register under it. Called once for each
+        sequence the slot takes (and again, with the same salt, when it is prefilled again after a
+        preemption)."""
+        if not self._digests[slot]:
+            self._salts[slot] = salt.encode()
         if not self.prefix_caching or self.blocks[slot]:
             return 0
         chain = self._chain(slot, tokens, min(limit, len(tokens)) // self.block_size)
@@ -290,6 +298,7 @@ class BlockTable(SlotAllocator):
         super().release(slot)
         self.free_positions(slot)
         self._digests[slot] = []  # a preempted sequence keeps its slot, tokens and digests
+        self._salts[slot] = b""
 
     def mirror_table(self, slots: list[int], table: torch.Tensor) -> None:
         """On a tensor-parallel rank that follows rank 0's block tables instead of allocating its own:

@@ -88,7 +88,7 @@ def request_from_pb(
         raise RequestError(str(e), Field.SPECULATION) from None
     num = msg.speculation.num_tokens or defaults.k(method)
     spec = SpecConfig(method, 0 if method == "none" else num)
-    return Request(msg.request_id or uuid.uuid4().hex, tuple(prompt), params, spec)
+    return Request(msg.request_id or uuid.uuid4().hex, tuple(prompt), params, spec, msg.cache_salt)
 
 
 def request_error_status(err: RequestError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:

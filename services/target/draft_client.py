@@ -323,6 +323,7 @@ class DraftEndpoint:
 class _SeqState:
     endpoint: DraftEndpoint
     sampling: common_pb2.SamplingParams  # what the draft needs to build the same q as the target's p
+    cache_salt: str = ""  # the request's prefix-cache salt, sent with each opening
     known: int = 0  # committed tokens the draft has seen
     num_accepted: int = 0  # of the last proposal, to report next round
     full: bool = False  # no draft can take it any more (its context outgrew the draft's): never asked again
@@ -371,8 +372,10 @@ class RemoteDrafter:
 
     # ------------------------------------------------------------------ Drafter protocol
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()))
+    def add(
+        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+    ) -> None:
+        self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()), cache_salt)
         self.seqs[seq_id].endpoint.assigned += 1
         self._unopened.append((seq_id, list(prompt_ids)))
 
@@ -606,7 +609,7 @@ class RemoteDrafter:
         """Add the sequence's opening (its whole context so far) to ``msg``; the draft has then seen
         ``tokens`` and no proposal of it is outstanding."""
         st = self.seqs[seq_id]
-        msg.open.add(sequence_id=seq_id, token_ids=tokens, sampling=st.sampling)
+        msg.open.add(sequence_id=seq_id, token_ids=tokens, sampling=st.sampling, cache_salt=st.cache_salt)
         ep.opened.add(seq_id)
         st.known, st.num_accepted = len(tokens), 0
 

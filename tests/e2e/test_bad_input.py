@@ -51,6 +51,8 @@ CASES = [
     ("stop wrong type", CHAT, {"messages": MSG, "stop": 7}, 400, "stop"),
     ("stop empty string", CHAT, {"messages": MSG, "stop": [""]}, 400, "stop"),
     ("seed a float", COMP, {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ("cache_salt empty", COMP, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    ("cache_salt not a string", COMP, {"prompt": "x", "cache_salt": 7}, 400, "cache_salt"),
     ("prompt too long (chat)", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("prompt too long (completion)", COMP, {"prompt": LONG, "max_tokens": 5}, 400, "prompt"),
     ("prompt + max_tokens past context", COMP, {"prompt": "x", "max_tokens": 5000}, 400, "prompt"),

@@ -122,6 +122,23 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(own_stack) -> None:
     assert grew == {"specd_prompt_tokens_total": 2 * prompt_tokens, "specd_prefix_cache_hit_tokens_total": cached[1]}
 
 
+def test_a_cache_salt_keeps_requests_apart(own_stack) -> None:
+    """cache_salt (vLLM's extension): a request is served from the prefix cache only what requests
+    with the same salt cached; without a salt, only what unsalted requests did. The text is the same."""
+    prompt = PROMPT + "\n    # salted\n    " + "mid = (lo + hi) // 2\n    " * 6
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = httpx.post(own_stack.url + "/v1/completions", json=body | extra, timeout=120).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"], r["choices"][0]["text"]
+
+    runs = [cached(s) for s in ("tenant-a", "tenant-b", None, "tenant-a", "tenant-b", None)]
+    assert [c for c, _ in runs[:3]] == [0, 0, 0]
+    assert all(c > 0 for c, _ in runs[3:])
+    assert len({text for _, text in runs}) == 1
+
+
 def test_client_disconnect_frees_everything(own_stack) -> None:
     s = own_stack
     with httpx.Client(timeout=60) as client:

@@ -115,6 +115,26 @@ def test_two_equal_prompts_side_by_side_register_one_copy() -> None:
     assert pool.free_blocks == 8
 
 
+def test_a_salt_partitions_the_cache() -> None:
+    """A sequence finds only blocks registered under its own salt (no salt is a salt of its own),
+    and registers its blocks under it; a slot taken again starts unsalted."""
+    pool = _pool()
+    tokens = list(range(100, 111))
+
+    def run(salt: str) -> int:
+        slot = pool.allocate()
+        hit = pool.attach_prefix(slot, tokens, len(tokens) - 1, salt)
+        assert pool.reserve(slot, len(tokens))
+        pool.register(slot, tokens, len(tokens) - 1)
+        pool.release(slot)
+        return hit
+
+    assert run("tenant-a") == 0
+    assert run("tenant-b") == 0 and run("") == 0  # each its own copy now
+    assert run("tenant-a") == run("tenant-b") == run("") == 2 * BS
+    assert pool.free_blocks == 8
+
+
 def test_prefix_caching_is_off_unless_enabled_and_refused_where_blocks_cannot_be_shared() -> None:
     plain = _Pool(2, 8, BS, 64)
     slot, _, hit = _run(plain, list(range(9)))
@@ -192,6 +212,33 @@ def check_output_with_prefix_caching(tiny_pair, device: str) -> None:
     assert got.token_ids == cold.generate([turn2])["t2"].token_ids
     for e in (cold, warm):
         assert e.active_slots == 0 and e.cache.free_blocks == e.cache.num_blocks
+
+
+def test_requests_share_cached_prefixes_only_under_the_same_salt(tiny_pair) -> None:
+    """Request.cache_salt (the API's cache_salt): a request is served from the cache only what
+    requests with its salt left there, in the target and the in-process draft alike; the output
+    is the same either way."""
+    engine = _engine(tiny_pair, True)
+    base = _requests(engine, "s")[0]
+
+    def run(tag: str, salt: str):
+        req = Request(tag, base.prompt_ids, base.params, base.spec, cache_salt=salt)
+        return engine.generate([req])[tag]
+
+    first = run("a1", "alice")
+    others = [run("b1", "bob"), run("n1", "")]
+    assert first.cached_prompt_tokens == 0 and all(r.cached_prompt_tokens == 0 for r in others)
+    again = [run("a2", "alice"), run("b2", "bob"), run("n2", "")]
+    assert all(r.cached_prompt_tokens >= 8 * ((len(base.prompt_ids) - 1) // 8) for r in again)
+    assert all(r.token_ids == first.token_ids for r in others + again)
+    draft = engine.model_drafter
+    draft.add("d", list(base.prompt_ids), cache_salt="carol")
+    assert draft.seqs["d"].cache_len == 0  # the draft's cache is partitioned the same way
+    draft.remove("d")
+    draft.add("d", list(base.prompt_ids), cache_salt="alice")
+    assert draft.seqs["d"].cache_len > 0
+    draft.remove("d")
+    assert engine.active_slots == 0 and engine.cache.free_blocks == engine.cache.num_blocks
 
 
 def test_preemption_with_prefix_caching_keeps_the_output(tiny_pair) -> None:

@@ -431,3 +431,36 @@ def test_the_draft_answers_a_seeded_row_it_still_prefills(micro_pair) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     unseeded = first_block(8, SamplingParams(0.8))
     assert unseeded.prefilling and not unseeded.token_ids
+
+
+def test_the_draft_service_partitions_its_prefix_cache_by_the_requests_salt(micro_draft: InProcessDraft) -> None:
+    """The target sends each sequence's cache_salt with its opening, and the draft service's own
+    prefix cache serves a prompt only to sequences with the same salt: the prompt tokens the draft
+    prefills for each opening, one opening at a time."""
+    worker = micro_draft.servicer.worker
+    drafter = RemoteDrafter(DraftClientConfig((micro_draft.address,), round_timeout=30.0), 12)
+    deadline = time.monotonic() + 30
+    while not drafter.endpoints[0].up:
+        assert time.monotonic() < deadline, "the draft stream never came up"
+        time.sleep(0.02)
+    prompt = [1 + i % 11 for i in range(100)]  # 99 to prefill: three whole blocks of 32 and 3 more
+
+    def prefilled_for(seq_id: str, salt: str) -> int:
+        before = worker.prefilled_tokens
+        drafter.add(seq_id, prompt, cache_salt=salt)
+        drafter.prefill(16)  # sends the opening; the draft prefills it between rounds
+        deadline = time.monotonic() + 30
+        while True:
+            keys = [k for k in list(worker.drafter.seqs) if k.endswith("/" + seq_id)]
+            if keys and worker.drafter.ready(keys[0]):
+                return worker.prefilled_tokens - before
+            assert time.monotonic() < deadline, "the draft never prefilled the opened sequence"
+            time.sleep(0.01)
+
+    try:
+        order = [("a1", "tenant-a"), ("b1", "tenant-b"), ("n1", ""), ("a2", "tenant-a"), ("b2", "tenant-b"), ("n2", "")]
+        got = {seq_id: prefilled_for(seq_id, salt) for seq_id, salt in order}
+    finally:
+        drafter.close()
+    assert got["a1"] == got["b1"] == got["n1"] == 99, got  # each salt's first: the whole prompt
+    assert got["a2"] == got["b2"] == got["n2"] == 99 - 96, got  # then its own cached blocks
