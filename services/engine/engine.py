@@ -390,11 +390,13 @@ class Engine:
     def _admit(self) -> None:
         """Waiting requests join, first come first, while a slot and the blocks for their prompt are
         free (plus one block of headroom per running sequence, so the newcomer does not at once
-        force a preemption); the rest wait."""
+        force a preemption); the rest wait. A prompt's blocks that running sequences hold already
+        (a shared system prompt, with prefix caching) are shared, not taken."""
         while self.waiting and self.cache.free_slots > 0:
             req = self.waiting[0]
             headroom = len(self.running)
-            if self.cache.blocks_for(len(req.prompt_ids)) + headroom > self.cache.free_blocks:
+            need = self.cache.blocks_to_admit(req.prompt_ids, len(req.prompt_ids) - 1, req.cache_salt)
+            if need + headroom > self.cache.free_blocks:
                 return
             self.waiting.popleft()
             slot = self.cache.allocate()

@@ -171,14 +171,31 @@ class BlockTable(SlotAllocator):
 
     def _chain(self, slot: int, tokens: Sequence[int], blocks: int) -> list[bytes]:
         """The digests of ``slot``'s first ``blocks`` full blocks of ``tokens``, extending its chain."""
-        chain = self._digests[slot]
+        return self._extend(self._digests[slot], self._salts[slot], tokens, blocks)
+
+    def _extend(self, chain: list[bytes], salt: bytes, tokens: Sequence[int], blocks: int) -> list[bytes]:
         bs = self.block_size
         while len(chain) < blocks:
             i = len(chain)
-            h = hashlib.sha256(chain[-1] if chain else b"specd-prefix" + self._salts[slot])
+            h = hashlib.sha256(chain[-1] if chain else b"specd-prefix" + salt)
             h.update(array("q", tokens[i * bs : (i + 1) * bs]).tobytes())
             chain.append(h.digest())
         return chain
+
+    def blocks_to_admit(self, tokens: Sequence[int], limit: int, salt: str = "") -> int:
+        """Free blocks a new sequence over ``tokens`` takes to hold them all: its blocks less the
+        leading ones it would attach (:meth:`attach_prefix`, same ``limit`` and ``salt``) that other
+        sequences hold already (an idle cached block counts as free, so attaching it takes one)."""
+        need = self.blocks_for(len(tokens))
+        if not self.prefix_caching:
+            return need
+        shared = 0
+        for digest in self._extend([], salt.encode(), tokens, min(limit, len(tokens)) // self.block_size):
+            block = self._by_digest.get(digest)
+            if block is None:
+                break
+            shared += block not in self._idle
+        return need - shared
 
     def attach_prefix(self, slot: int, tokens: Sequence[int], limit: int, salt: str = "") -> int:
         """Give the empty ``slot`` the cached blocks of the longest registered prefix of ``tokens``

@@ -241,6 +241,35 @@ def test_requests_share_cached_prefixes_only_under_the_same_salt(tiny_pair) -> N
     assert engine.active_slots == 0 and engine.cache.free_blocks == engine.cache.num_blocks
 
 
+def test_a_prompt_whose_prefix_running_sequences_hold_needs_only_its_own_blocks(tiny_pair) -> None:
+    """Admission counts the blocks a newcomer would share with running sequences as already there:
+    with 9 blocks of 8, a running request over a 32-token system prompt (5 blocks) leaves 4 free,
+    too few for another 5-block prompt plus headroom, but its own block and headroom fit. Both run
+    at once, and each gives what it gives alone."""
+    cold = _engine(tiny_pair, False)
+    pool = _engine(tiny_pair, True, kv_cache_memory=cold.target.kv_bytes_per_token * 8 * 9)
+    assert pool.cache.num_blocks == 9
+    head = _ids(cold, SYSTEM)[:32]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    a, b = (Request(n, head + _ids(cold, t)[:6], params, SpecConfig("none", 0)) for n, t in zip("ab", TAILS))
+    assert pool.cache.blocks_to_admit(b.prompt_ids, len(b.prompt_ids) - 1) == 5  # nothing cached yet
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    pool.add_request(a)
+    for o in pool.step():  # a's prompt prefilled, its four full blocks registered
+        got[o.request_id] += o.token_ids
+    assert pool.cache.blocks_to_admit(b.prompt_ids, len(b.prompt_ids) - 1) == 1
+    assert pool.cache.blocks_to_admit(b.prompt_ids, len(b.prompt_ids) - 1, "other salt") == 5
+    pool.add_request(b)
+    both_ran = False
+    while pool.has_work():
+        for o in pool.step():
+            got[o.request_id] += o.token_ids
+        both_ran = both_ran or len(pool.running) == 2
+    assert both_ran and pool.cached_prompt_tokens == 32
+    assert got == {r.request_id: cold.generate([r])[r.request_id].token_ids for r in (a, b)}
+    assert pool.active_slots == 0 and pool.cache.free_blocks == pool.cache.num_blocks
+
+
 def test_preemption_with_prefix_caching_keeps_the_output(tiny_pair) -> None:
     """A pool of 12 blocks of 8 for three growing sequences over a shared prefix: the youngest are
     preempted, their blocks registered as they leave, so they come back partly through the cache;
