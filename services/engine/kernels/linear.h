@@ -110,6 +110,22 @@ struct F32Rows {
   float finish(int64_t, float s) const { return s; }
 };
 
+// How every bf16/fp32 block ends an output (so that all of them end it the same way, bit for bit):
+// hsum(a0 + a1), then the K % kStep tail, the format's finish and the bias.
+template <typename C, int R, int NR>
+inline void finish_outputs(const __m256 (&a0)[NR][R], const __m256 (&a1)[NR][R], const float* x, const C& c,
+                           const float* bias, float* out, int64_t ldo, int64_t n) {
+  const int64_t K = c.K, K16 = K - K % C::kStep;
+  for (int j = 0; j < NR; ++j) {
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(_mm256_add_ps(a0[j][r], a1[j][r]));
+      for (int64_t k = K16; k < K; ++k) s += c.scalar(n + j, k) * x[r * K + k];
+      s = c.finish(n + j, s);
+      out[r * ldo + n + j] = bias ? s + bias[n + j] : s;
+    }
+  }
+}
+
 constexpr int64_t kMaxRows = 7;  // 14 accumulators + 1 weight register: the 16 ymm registers
 
 // Rows [0, R) of x (fp32, row stride K) against weight rows [n0, n1); out is fp32 with row stride ldo.
@@ -138,14 +154,7 @@ void block(const float* x, const C& c, const float* bias, float* out, int64_t ld
         }
       }
     }
-    for (int j = 0; j < NR; ++j) {
-      for (int r = 0; r < R; ++r) {
-        float s = hsum(_mm256_add_ps(a0[j][r], a1[j][r]));
-        for (int64_t k = K16; k < K; ++k) s += c.scalar(n + j, k) * x[r * K + k];
-        s = c.finish(n + j, s);
-        out[r * ldo + n + j] = bias ? s + bias[n + j] : s;
-      }
-    }
+    finish_outputs<C, R, NR>(a0, a1, x, c, bias, out, ldo, n);
   }
   if (n < n1) block<C, R, 1>(x, c, bias, out, ldo, n, n1);  // the odd row: same arithmetic per row
 }
@@ -190,14 +199,7 @@ void block_halves(const float* x, const C& c, const float* bias, float* out, int
     };
     chain(std::integral_constant<int, 0>{}, a0);
     chain(std::integral_constant<int, 1>{}, a1);
-    for (int j = 0; j < NR; ++j) {
-      for (int r = 0; r < R; ++r) {
-        float s = hsum(_mm256_add_ps(a0[j][r], a1[j][r]));
-        for (int64_t k = K16; k < K; ++k) s += c.scalar(n + j, k) * x[r * K + k];
-        s = c.finish(n + j, s);
-        out[r * ldo + n + j] = bias ? s + bias[n + j] : s;
-      }
-    }
+    finish_outputs<C, R, NR>(a0, a1, x, c, bias, out, ldo, n);
   }
   if (n < n1) block<C, R, 1>(x, c, bias, out, ldo, n, n1);  // the last rows: same arithmetic per row
 }
