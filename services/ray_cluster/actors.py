@@ -24,6 +24,15 @@ import ray
 from specd.services.common.ports import free_ports
 from specd.services.common.process import die_with_parent, specd_command, stop_process_group
 
+# Starts of a service on fresh ports after it exits during start-up. Its ports are chosen here and
+# bound by the child seconds later (a Python start), and on a Ray node Ray's own workers bind ports
+# meanwhile: one CI run lost a draft's port that way ("Address already in use").
+START_ATTEMPTS = 3
+
+
+class _ExitedDuringStartup(RuntimeError):
+    pass
+
 
 def node_ip() -> str:
     return ray.util.get_node_ip_address()
@@ -40,7 +49,21 @@ class ServiceHost:
         self.metrics_address: str | None = None
 
     def start(self, argv: list[str], timeout: float = 300.0, env: dict[str, str] | None = None) -> dict[str, str]:
-        """Run ``specd ARGV --host 0.0.0.0 --port P --metrics-port M`` and wait until gRPC answers."""
+        """Run ``specd ARGV --host 0.0.0.0 --port P --metrics-port M`` and wait until gRPC answers;
+        a process that exits during start-up is started again on new ports (START_ATTEMPTS in all),
+        then its log's tail is the error."""
+        for _ in range(START_ATTEMPTS - 1):
+            try:
+                return self._start_once(argv, timeout, env)
+            except _ExitedDuringStartup:
+                pass
+        try:
+            return self._start_once(argv, timeout, env)
+        except _ExitedDuringStartup:
+            tail = self.log_tail()
+            raise RuntimeError(f"{self.name} exited during start-up ({START_ATTEMPTS} tries):\n{tail}") from None
+
+    def _start_once(self, argv: list[str], timeout: float, env: dict[str, str] | None) -> dict[str, str]:
         port, metrics_port = free_ports(2)
         cmd = specd_command(*argv, "--host", "0.0.0.0")
         cmd += ["--port", str(port), "--metrics-port", str(metrics_port)]
@@ -56,7 +79,7 @@ class ServiceHost:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited during start-up:\n{self.log_tail()}")
+                    raise _ExitedDuringStartup(self.name)
                 try:
                     grpc.channel_ready_future(ch).result(timeout=1.0)
                     break

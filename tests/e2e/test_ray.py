@@ -158,3 +158,33 @@ def test_ray_up_stream_scale_down(ray_address: str, reference_engine, tmp_path: 
     assert pids and not any(alive(pid) for pid in set(pids)), "a service process outlived `specd ray down`"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_a_service_whose_port_was_taken_meanwhile_starts_on_new_ports(demo_pair, tmp_path, monkeypatch) -> None:
+    """ServiceHost (the body of a service actor) chooses a service's ports, and the service binds
+    them seconds later; when one was taken meanwhile the service exits, and the host starts it again
+    on new ports (one CI run lost a draft's port to Ray's own workers this way)."""
+    import socket
+
+    from specd.services.ray_cluster import actors
+
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    chosen: list[list[int]] = []
+    first = [taken.getsockname()[1], free_ports(1)[0]]
+
+    def ports(n: int) -> list[int]:
+        chosen.append(first if not chosen else free_ports(n))
+        return chosen[-1]
+
+    monkeypatch.setattr(actors, "free_ports", ports)
+    host = actors.ServiceHost("draft-x", str(tmp_path))
+    try:
+        info = host.start(["draft", "--model", str(demo_pair[1]), "--dtype", "float32"], timeout=120)
+        assert len(chosen) == 2 and info["address"].endswith(f":{chosen[1][0]}")
+        assert host.alive()
+        assert "already in use" in host.log_path.read_text()  # the first try's error, in the service's log
+    finally:
+        host.stop()
+        taken.close()
