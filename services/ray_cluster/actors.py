@@ -52,16 +52,12 @@ class ServiceHost:
         """Run ``specd ARGV --host 0.0.0.0 --port P --metrics-port M`` and wait until gRPC answers;
         a process that exits during start-up is started again on new ports (START_ATTEMPTS in all),
         then its log's tail is the error."""
-        for _ in range(START_ATTEMPTS - 1):
+        for _ in range(START_ATTEMPTS):
             try:
                 return self._start_once(argv, timeout, env)
             except _ExitedDuringStartup:
                 pass
-        try:
-            return self._start_once(argv, timeout, env)
-        except _ExitedDuringStartup:
-            tail = self.log_tail()
-            raise RuntimeError(f"{self.name} exited during start-up ({START_ATTEMPTS} tries):\n{tail}") from None
+        raise RuntimeError(f"{self.name} exited during start-up ({START_ATTEMPTS} tries):\n{self.log_tail()}")
 
     def _start_once(self, argv: list[str], timeout: float, env: dict[str, str] | None) -> dict[str, str]:
         port, metrics_port = free_ports(2)

@@ -55,20 +55,22 @@ def micro_draft_process(micro_pair, tmp_path_factory) -> Iterator[str]:
         stop_process(p)
 
 
-def _remote_engine(micro_pair, address: str, wait: bool = True, draft_ahead: bool = False) -> Engine:
-    """``wait``: until the stream to the draft is up (a target serves long after that)."""
-    import time
-
-    import torch
-
-    target = load_model(str(micro_pair[0]), torch.float32, "cpu")
-    drafter = RemoteDrafter(
-        DraftClientConfig((address,), round_timeout=30.0, draft_ahead=draft_ahead), target.info.vocab_size
-    )
+def _drafter(address: str, vocab_size: int, wait: bool = True, draft_ahead: bool = False) -> RemoteDrafter:
+    """A RemoteDrafter of the draft at ``address``; ``wait``: until its stream is up (a target
+    serves long after that)."""
+    drafter = RemoteDrafter(DraftClientConfig((address,), round_timeout=30.0, draft_ahead=draft_ahead), vocab_size)
     deadline = time.monotonic() + 30
     while wait and not drafter.endpoints[0].up:
         assert time.monotonic() < deadline, "the draft stream never came up"
         time.sleep(0.02)
+    return drafter
+
+
+def _remote_engine(micro_pair, address: str, wait: bool = True, draft_ahead: bool = False) -> Engine:
+    import torch
+
+    target = load_model(str(micro_pair[0]), torch.float32, "cpu")
+    drafter = _drafter(address, target.info.vocab_size, wait, draft_ahead)
     return Engine(target, load_tokenizer(str(micro_pair[0])), None, EngineConfig(64, 64), drafter=drafter)
 
 
@@ -317,11 +319,7 @@ def test_sequences_are_opened_at_admission_only_while_the_draft_is_asked(micro_d
     from specd.services.engine.drafters import DraftRow
     from specd.services.target.draft_client import OPEN_AT_ADMISSION_WITHIN_STEPS
 
-    drafter = RemoteDrafter(DraftClientConfig((micro_draft_service,), round_timeout=30.0), 12)
-    deadline = time.monotonic() + 30
-    while not drafter.endpoints[0].up:
-        assert time.monotonic() < deadline, "the draft stream never came up"
-        time.sleep(0.02)
+    drafter = _drafter(micro_draft_service, 12)
     opened: list[tuple[int, int]] = []  # per message to the draft: (sequences opened, rows asked)
     ep = drafter.endpoints[0]
     send = ep.stream.send
@@ -438,11 +436,7 @@ def test_the_draft_service_partitions_its_prefix_cache_by_the_requests_salt(micr
     prefix cache serves a prompt only to sequences with the same salt: the prompt tokens the draft
     prefills for each opening, one opening at a time."""
     worker = micro_draft.servicer.worker
-    drafter = RemoteDrafter(DraftClientConfig((micro_draft.address,), round_timeout=30.0), 12)
-    deadline = time.monotonic() + 30
-    while not drafter.endpoints[0].up:
-        assert time.monotonic() < deadline, "the draft stream never came up"
-        time.sleep(0.02)
+    drafter = _drafter(micro_draft.address, 12)
     prompt = [1 + i % 11 for i in range(100)]  # 99 to prefill: three whole blocks of 32 and 3 more
 
     def prefilled_for(seq_id: str, salt: str) -> int:
