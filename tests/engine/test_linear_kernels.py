@@ -37,12 +37,12 @@ def test_matches_a_float32_reference(op, n: int, k: int) -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(203, 136), (300, 1536)])
 def test_rows_are_bit_identical_whatever_the_batch(op, n: int, k: int) -> None:
-    """Decoding's blocks (up to 7 rows) and a prefill's (8 rows and more: block_halves, 3 rows
-    against 4 weight rows, the rest in decoding's blocks) give every row the same bits. 136 = 8 *
-    16 + 8 exercises the scalar tail; 203 weight rows, and 1536's tiles of 84 rows split over the
-    threads, leave weight rows that block_halves hands to the one-row block. float32 activations
-    (as the fused forward passes them), so that the result is compared in every bit, not after a
-    rounding to bf16."""
+    """Decoding's blocks (up to 7 rows) and a prefill's (8 rows and more, 20 where K < 1024:
+    block_halves, 3 rows against 4 weight rows, the rest in decoding's blocks) give every row the
+    same bits. 136 = 8 * 16 + 8 exercises the scalar tail; 203 weight rows, and 1536's tiles of
+    84 rows split over the threads, leave weight rows that block_halves hands to the one-row block.
+    float32 activations (as the fused forward passes them), so that the result is compared in
+    every bit, not after a rounding to bf16."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()

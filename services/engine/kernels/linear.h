@@ -168,7 +168,13 @@ void block(const float* x, const C& c, const float* bias, float* out, int64_t ld
 // cache (4 rows; linear_rows' tile is in L2). Bit-identical to block<C, R, NR>, so batch invariance
 // is kept.
 constexpr int kHalvesRows = 3, kHalvesWeightRows = 4;
-constexpr int64_t kHalvesMinRows = 8;  // below, the decoding blocks (memory-bound) are as fast
+// Below these rows the decoding blocks (memory-bound) are as fast or faster: from 8 rows when a
+// weight row is long, from 20 when it is short (K < 1024, the demo pair's and the 0.5B's layers:
+// there each 4-row block's fixed work, two chains and 12 sums, is a larger share, and at 8-16 rows
+// block_halves took 5-30% longer on weights streamed from memory; measured with a throwaway harness).
+constexpr int64_t kHalvesMinRows = 8, kHalvesMinRowsShortK = 20, kHalvesShortK = 1024;
+
+inline int64_t halves_min_rows(int64_t K) { return K < kHalvesShortK ? kHalvesMinRowsShortK : kHalvesMinRows; }
 
 template <typename C, int R, int NR>
 void block_halves(const float* x, const C& c, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
@@ -246,7 +252,7 @@ void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* 
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
       const int64_t t1 = std::min(n1, t0 + tile);
       int64_t m0 = 0;
-      if (M >= kHalvesMinRows)
+      if (M >= halves_min_rows(K))
         for (; m0 + kHalvesRows <= M; m0 += kHalvesRows)
           block_halves<C, kHalvesRows, kHalvesWeightRows>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
       for (; m0 < M; m0 += kMaxRows) {
