@@ -205,6 +205,9 @@ class _DraftSeq:
     fed_until: int = 0  # cache positions written by the last proposal (committed or guessed)
     last_n: int = 0  # committed length when the last proposal was made
     prompt: list[int] = field(default_factory=list)  # prompt ids still to prefill up to (all but the last)
+    # The committed context of the last proposal (the caller's list, which only grows): its first
+    # last_n tokens are what the cache holds below last_n.
+    tokens: Sequence[int] = ()
 
 
 class ModelDrafter:
@@ -227,9 +230,9 @@ class ModelDrafter:
     ) -> None:
         """``max_len``: positions one sequence may use; ``kv_cache_memory``: bytes of the block pool
         all sequences share (a row that cannot get blocks gets no guesses, it never fails);
-        ``prefix_caching``: prompts reuse the K/V of earlier prompts' full blocks where the pool can
-        share them (kv_cache.BlockTable), so a shared system prompt or an earlier turn is not
-        prefilled again (the draft's own prompts: what it generated is not registered)."""
+        ``prefix_caching``: prompts reuse the K/V of earlier sequences' full blocks where the pool
+        can share them (kv_cache.BlockTable), so a shared system prompt or an earlier turn, its
+        answer included, is not prefilled again."""
         self.model = model
         self.support = support
         blocks = pool_blocks(kv_cache_memory, model.kv_bytes_per_token, block_size, max_slots, max_len)
@@ -285,8 +288,14 @@ class ModelDrafter:
         return sum(n for _, n in rows)
 
     def remove(self, seq_id: str) -> None:
+        """Free the sequence's slot. Its committed blocks stay cached (with prefix caching): the
+        answer too, which a next turn's prompt repeats, as the target's engine keeps its own."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
+            # Positions below last_n hold committed tokens once written (a branch the draft adopted
+            # may not have fed its last one yet); accepted guesses may reach past it (cache_len).
+            committed = min(max(seq.cache_len, min(seq.last_n, seq.fed_until)), len(seq.tokens))
+            self.cache.register(seq.slot, seq.tokens, committed)
             self.cache.release(seq.slot)
 
     def warm_up(self) -> None:
@@ -342,8 +351,9 @@ class ModelDrafter:
         """``seq_id`` continues from branch ``branch_id`` (whose block was served on a committed
         prefix of length ``committed``); its own slot is freed."""
         branch = self.seqs.pop(branch_id)
-        self.cache.release(self.seqs[seq_id].slot)
-        branch.last_n = committed
+        line = self.seqs[seq_id]
+        self.cache.release(line.slot)
+        branch.last_n, branch.tokens = committed, line.tokens
         self.seqs[seq_id] = branch
 
     def proposed(self, seq_id: str, committed: int) -> None:
@@ -426,6 +436,7 @@ class ModelDrafter:
         for r, s in zip(rows, states):
             s.last_n = len(r.tokens)
             s.fed_until = len(r.tokens) + K - 1
+            s.tokens = r.tokens
         token_ids = torch.stack(tokens, dim=1)  # [B, K]
         ks = to_device([r.k for r in rows], device)
         token_ids = torch.where(torch.arange(K, device=device)[None, :] < ks[:, None], token_ids, -1)

@@ -305,6 +305,10 @@ class BlockTable(SlotAllocator):
             self._copy_block(self.blocks[src][full], own[0])
         self.blocks[dst] = shared + own
         self.table[dst, : len(self.blocks[dst])] = torch.tensor(self.blocks[dst], dtype=torch.long)
+        # The same sequence so far: its salt, and the digests of the shared blocks, so that what the
+        # fork registers later lands in the same partition (a prepared branch that the draft adopts).
+        self._salts[dst] = self._salts[src]
+        self._digests[dst] = self._digests[src][:full]
         return True
 
     def _copy_block(self, src_block: int, dst_block: int) -> None:

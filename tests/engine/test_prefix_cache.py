@@ -135,6 +135,33 @@ def test_a_salt_partitions_the_cache() -> None:
     assert pool.free_blocks == 8
 
 
+@pytest.mark.parametrize("length", [3, 6])
+def test_a_fork_registers_under_its_sources_salt(length: int) -> None:
+    """A fork (a prepared branch the draft service adopts) is the same sequence: what it registers
+    is found under the source's salt and nowhere else (forked inside the first block, or past it)."""
+    pool = _pool()
+    tokens = list(range(200, 211))
+    src = pool.allocate()
+    assert pool.attach_prefix(src, tokens, len(tokens) - 1, "tenant-a") == 0
+    assert pool.reserve(src, length)
+    dst = pool.allocate()
+    assert pool.fork(src, dst, length)
+    pool.release(src)
+    assert pool.reserve(dst, len(tokens))
+    pool.register(dst, tokens, len(tokens) - 1)
+    pool.release(dst)
+
+    def hit(salt: str) -> int:
+        slot = pool.allocate()
+        found = pool.attach_prefix(slot, tokens, len(tokens) - 1, salt)
+        pool.release(slot)
+        return found
+
+    assert hit("") == 0 and hit("tenant-b") == 0
+    assert hit("tenant-a") == 2 * BS
+    assert pool.free_blocks == 8
+
+
 def test_prefix_caching_is_off_unless_enabled_and_refused_where_blocks_cannot_be_shared() -> None:
     plain = _Pool(2, 8, BS, 64)
     slot, _, hit = _run(plain, list(range(9)))
@@ -311,3 +338,42 @@ def test_the_draft_model_reuses_its_prompts_blocks_and_proposes_the_same(tiny_pa
             drafter.remove(f"s{i}")
         assert drafter.cache.free_blocks == drafter.cache.num_blocks
     assert guesses[True] == guesses[False] and guesses[True][0] == guesses[True][1]
+
+
+def test_the_draft_model_reuses_what_it_generated_in_a_next_turn(tiny_pair) -> None:
+    """A finished sequence leaves its committed blocks cached in the draft, the answer included
+    (accepted guesses and the target's tokens alike): a next turn, whose prompt repeats it, is
+    prefilled only past them, and its guesses are those of a draft that computed everything."""
+    import torch
+
+    from specd.services.engine.drafters import DraftRow, ModelDrafter
+    from specd.services.engine.model import load_model
+
+    model = load_model(str(tiny_pair[1]), torch.float32, "cpu")
+    cold, warm = (ModelDrafter(model, 4, 256, block_size=8, prefix_caching=on) for on in (False, True))
+    prompt = list(range(3, 20))
+    tokens = list(prompt)  # the committed context, grown in place as an engine's is
+    warm.add("turn1", tokens)
+    while warm.prefill(16):
+        pass
+    for round_ in range(8):  # the first two guesses pass, then the target says 7 + round_
+        guesses = warm.propose([DraftRow("turn1", tokens, 4, True)], None).token_ids[0].tolist()
+        tokens.extend([*guesses[:2], 7 + round_])
+        warm.accepted("turn1", 2)
+    warm.remove("turn1")
+    assert len(tokens) == len(prompt) + 24
+
+    nxt = [*tokens, 30, 31, 32]
+    got = {}
+    for drafter in (cold, warm):
+        drafter.add("turn2", nxt)
+        got[drafter is warm, "cached"] = drafter.seqs["turn2"].cache_len
+        while drafter.prefill(16):
+            pass
+        got[drafter is warm] = drafter.propose([DraftRow("turn2", nxt, 4, True)], None).token_ids[0].tolist()
+        drafter.remove("turn2")
+    # Every full block of what the draft's cache holds of the first turn: all of it but the last
+    # token (the target's, never fed to the draft).
+    assert got[True, "cached"] == 8 * ((len(tokens) - 1) // 8) > 8 * (len(prompt) // 8)
+    assert got[False, "cached"] == 0
+    assert got[True] == got[False]
