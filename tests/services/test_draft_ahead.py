@@ -404,3 +404,46 @@ def test_offers_are_asked_for_only_in_rounds_of_one_row(tiny_pair) -> None:
             engine.model_drafter.close()
     assert sources[2]["offered"] == 0 and sources[2]["prepared"] > 0, sources
     assert sources[1]["offered"] > 0, sources
+
+
+def test_a_sequence_served_from_a_prepared_branch_leaves_its_answer_cached_under_its_salt(tiny_pair) -> None:
+    """The draft service keeps a finished sequence's committed blocks for a next turn, also when its
+    last block came from a prepared branch (a forked slot the sequence adopted): found under the
+    request's salt, not under another."""
+    params = SamplingParams(0.0)
+    prompt = [5 + i % 50 for i in range(60)]
+    k = 4
+    w = _worker(tiny_pair[1])
+    w.open("s", OpenSeq("x", prompt, params, cache_salt="t"))
+    key = w.key("s", "x")
+    while not w.drafter.ready(key):
+        w.drafter.prefill(64)
+    w.propose("s", [ProposeReq("x", 0, [], len(prompt), k, 1, 2)], ahead=True)
+    lane = w.lanes["s"]
+    lane.plans[key].width = MAX_WIDTH
+    while w.ahead_step("s"):
+        pass
+    # Every guess passes and the target's bonus token is the draft's second choice: a forked branch.
+    (bonus2,) = [b for b in lane.plans[key].branches if len(b.suffix) == k + 1 and b.holder != key]
+    committed = prompt + list(bonus2.suffix)
+    (served,) = w.propose("s", [ProposeReq("x", k, list(bonus2.suffix), len(committed), k, 2, 3)], ahead=True)
+    assert served.source == "prepared"
+    assert w.release("s", "x")
+    block = w.drafter.cache.block_size
+    assert len(committed) > 2 * block > len(prompt) - 1  # the answer completes a block the prompt did not
+
+    nxt = [*committed, 1, 2]
+
+    def cached(seq_id: str, salt: str) -> tuple[int, list[int]]:
+        w.open("n", OpenSeq(seq_id, nxt, params, cache_salt=salt))
+        hit = w.drafter.seqs[w.key("n", seq_id)].cache_len
+        while not w.drafter.ready(w.key("n", seq_id)):
+            w.drafter.prefill(64)
+        (b,) = w.propose("n", [ProposeReq(seq_id, 0, [], len(nxt), k, 4)])
+        w.release("n", seq_id)
+        return hit, b.token_ids
+
+    fresh = _fresh_block(tiny_pair[1], nxt, params, k, 4).token_ids
+    assert cached("other-tenant", "u") == (0, fresh)
+    assert cached("next-turn", "t") == (2 * block, fresh)  # the cached K/V guess as computed ones do
+    assert not w.drafter.seqs and w.drafter.cache.free_blocks == w.drafter.cache.num_blocks
