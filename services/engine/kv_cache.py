@@ -189,13 +189,18 @@ class BlockTable(SlotAllocator):
         need = self.blocks_for(len(tokens))
         if not self.prefix_caching:
             return need
-        shared = 0
-        for digest in self._extend([], salt.encode(), tokens, min(limit, len(tokens)) // self.block_size):
+        chain = self._extend([], salt.encode(), tokens, min(limit, len(tokens)) // self.block_size)
+        return need - sum(block not in self._idle for block in self._cached_run(chain))
+
+    def _cached_run(self, chain: list[bytes]) -> list[int]:
+        """The registered blocks of ``chain``'s leading digests, up to the first one not cached."""
+        hit: list[int] = []
+        for digest in chain:
             block = self._by_digest.get(digest)
             if block is None:
                 break
-            shared += block not in self._idle
-        return need - shared
+            hit.append(block)
+        return hit
 
     def attach_prefix(self, slot: int, tokens: Sequence[int], limit: int, salt: str = "") -> int:
         """Give the empty ``slot`` the cached blocks of the longest registered prefix of ``tokens``
@@ -210,13 +215,7 @@ class BlockTable(SlotAllocator):
             self._salts[slot] = salt.encode()
         if not self.prefix_caching or self.blocks[slot]:
             return 0
-        chain = self._chain(slot, tokens, min(limit, len(tokens)) // self.block_size)
-        hit: list[int] = []
-        for digest in chain:
-            block = self._by_digest.get(digest)
-            if block is None:
-                break
-            hit.append(block)
+        hit = self._cached_run(self._chain(slot, tokens, min(limit, len(tokens)) // self.block_size))
         for block in hit:
             if block in self._idle:
                 del self._idle[block]
