@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specd.services.engine.builder import ModelSpec, build_engine
+from specd.services.engine.drafters import DraftRow
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.kv_cache import BlockTable
 from specd.services.engine.sampling import SamplingParams
@@ -315,16 +316,22 @@ def test_preemption_with_prefix_caching_keeps_the_output(tiny_pair) -> None:
     assert tight.active_slots == 0 and tight.cache.free_blocks == tight.cache.num_blocks
 
 
-def test_the_draft_model_reuses_its_prompts_blocks_and_proposes_the_same(tiny_pair) -> None:
-    """The draft's own pool (in-process, and in the draft service, which runs the same ModelDrafter):
-    a prompt it prefilled before is taken from its cache, and its guesses are unchanged."""
+def _draft_models(tiny_pair):
+    """Two in-process draft models over the tiny pair's draft, 8-position blocks: without prefix
+    caching and with it."""
     import torch
 
-    from specd.services.engine.drafters import DraftRow, ModelDrafter
+    from specd.services.engine.drafters import ModelDrafter
     from specd.services.engine.model import load_model
 
     model = load_model(str(tiny_pair[1]), torch.float32, "cpu")
-    cold, warm = (ModelDrafter(model, 4, 256, block_size=8, prefix_caching=on) for on in (False, True))
+    return tuple(ModelDrafter(model, 4, 256, block_size=8, prefix_caching=on) for on in (False, True))
+
+
+def test_the_draft_model_reuses_its_prompts_blocks_and_proposes_the_same(tiny_pair) -> None:
+    """The draft's own pool (in-process, and in the draft service, which runs the same ModelDrafter):
+    a prompt it prefilled before is taken from its cache, and its guesses are unchanged."""
+    cold, warm = _draft_models(tiny_pair)
     prompt = list(range(3, 60))
     guesses: dict[bool, list[list[int]]] = {False: [], True: []}
     for drafter, on in ((cold, False), (warm, True)):
@@ -344,13 +351,7 @@ def test_the_draft_model_reuses_what_it_generated_in_a_next_turn(tiny_pair) -> N
     """A finished sequence leaves its committed blocks cached in the draft, the answer included
     (accepted guesses and the target's tokens alike): a next turn, whose prompt repeats it, is
     prefilled only past them, and its guesses are those of a draft that computed everything."""
-    import torch
-
-    from specd.services.engine.drafters import DraftRow, ModelDrafter
-    from specd.services.engine.model import load_model
-
-    model = load_model(str(tiny_pair[1]), torch.float32, "cpu")
-    cold, warm = (ModelDrafter(model, 4, 256, block_size=8, prefix_caching=on) for on in (False, True))
+    cold, warm = _draft_models(tiny_pair)
     prompt = list(range(3, 20))
     tokens = list(prompt)  # the committed context, grown in place as an engine's is
     warm.add("turn1", tokens)
