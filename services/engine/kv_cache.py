@@ -182,17 +182,30 @@ class BlockTable(SlotAllocator):
             chain.append(h.digest())
         return chain
 
-    def blocks_to_admit(self, tokens: Sequence[int], limit: int, salt: str = "") -> int:
+    def prefix_chain(self, tokens: Sequence[int], limit: int, salt: str = "") -> list[bytes]:
+        """The digests a new sequence over ``tokens`` is looked up by: its full blocks up to
+        ``limit``, under ``salt`` (empty without prefix caching). A request that waits to be
+        admitted is hashed once, and its chain handed to :meth:`blocks_to_admit` at every try and to
+        :meth:`attach_prefix` at admission, instead of hashing its whole prompt every step."""
+        if not self.prefix_caching:
+            return []
+        return self._extend([], salt.encode(), tokens, min(limit, len(tokens)) // self.block_size)
+
+    def blocks_to_admit(
+        self, tokens: Sequence[int], limit: int, salt: str = "", chain: Sequence[bytes] | None = None
+    ) -> int:
         """Free blocks a new sequence over ``tokens`` takes to hold them all: its blocks less the
         leading ones it would attach (:meth:`attach_prefix`, same ``limit`` and ``salt``) that other
-        sequences hold already (an idle cached block counts as free, so attaching it takes one)."""
+        sequences hold already (an idle cached block counts as free, so attaching it takes one).
+        ``chain``: :meth:`prefix_chain` of the same arguments, if the caller keeps it."""
         need = self.blocks_for(len(tokens))
         if not self.prefix_caching:
             return need
-        chain = self._extend([], salt.encode(), tokens, min(limit, len(tokens)) // self.block_size)
+        if chain is None:
+            chain = self.prefix_chain(tokens, limit, salt)
         return need - sum(block not in self._idle for block in self._cached_run(chain))
 
-    def _cached_run(self, chain: list[bytes]) -> list[int]:
+    def _cached_run(self, chain: Sequence[bytes]) -> list[int]:
         """The registered blocks of ``chain``'s leading digests, up to the first one not cached."""
         hit: list[int] = []
         for digest in chain:
@@ -202,7 +215,9 @@ class BlockTable(SlotAllocator):
             hit.append(block)
         return hit
 
-    def attach_prefix(self, slot: int, tokens: Sequence[int], limit: int, salt: str = "") -> int:
+    def attach_prefix(
+        self, slot: int, tokens: Sequence[int], limit: int, salt: str = "", chain: Sequence[bytes] | None = None
+    ) -> int:
         """Give the empty ``slot`` the cached blocks of the longest registered prefix of ``tokens``
         that ends at or before ``limit``; returns its length in positions (0 without prefix caching
         or without a hit). Those positions' K/V are then in place and must not be computed again.
@@ -210,9 +225,12 @@ class BlockTable(SlotAllocator):
         ``salt`` starts the slot's digest chain (vLLM's cache_salt): only blocks registered under
         the same salt are found, and the slot's own blocks register under it. Called once for each
         sequence the slot takes (and again, with the same salt, when it is prefilled again after a
-        preemption)."""
+        preemption). ``chain``: :meth:`prefix_chain` of the same arguments, if the caller has it
+        (it becomes the slot's chain: not hashed again)."""
         if not self._digests[slot]:
             self._salts[slot] = salt.encode()
+            if chain:
+                self._digests[slot] = list(chain)
         if not self.prefix_caching or self.blocks[slot]:
             return 0
         hit = self._cached_run(self._chain(slot, tokens, min(limit, len(tokens)) // self.block_size))

@@ -378,3 +378,42 @@ def test_the_draft_model_reuses_what_it_generated_in_a_next_turn(tiny_pair) -> N
     assert got[True, "cached"] == 8 * ((len(tokens) - 1) // 8) > 8 * (len(prompt) // 8)
     assert got[False, "cached"] == 0
     assert got[True] == got[False]
+
+
+def test_a_waiting_prompt_is_hashed_once_however_long_it_waits(tiny_pair) -> None:
+    """A request that waits for blocks is looked up by the digest chain made when it first reached
+    the head of the queue: not hashed again at every step it waits (work that grows with the
+    prompt, every round), nor again at admission. It still attaches what the running request
+    registered under its prefix, and gives what it gives alone."""
+    cold = _engine(tiny_pair, False)
+    pool = _engine(tiny_pair, True, kv_cache_memory=cold.target.kv_bytes_per_token * 8 * 9)
+    head = _ids(cold, SYSTEM)[:32]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # a: 5 blocks, 7 by its end; b shares a's first 2 blocks and needs 3 of its own plus headroom,
+    # so once a holds 6 it waits for a to finish.
+    a = Request("a", head + _ids(cold, TAILS[0])[:6], params, SpecConfig("none", 0))
+    b = Request("b", head[:16] + _ids(cold, TAILS[1] * 4)[:22], params, SpecConfig("none", 0))
+    hashed: list[tuple[int, ...]] = []
+    chain_of = pool.cache.prefix_chain
+
+    def counted(tokens, limit, salt=""):
+        hashed.append(tuple(tokens))
+        return chain_of(tokens, limit, salt)
+
+    pool.cache.prefix_chain = counted
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    pool.add_request(a)
+    for _ in range(5):
+        for o in pool.step():
+            got[o.request_id] += o.token_ids
+    pool.add_request(b)
+    waited = 0
+    while pool.has_work():
+        for o in pool.step():
+            got[o.request_id] += o.token_ids
+        waited += "b" not in pool.running and any(r.request_id == "b" for r in pool.waiting)
+    assert waited >= 3  # b waited for a's blocks over several steps
+    assert hashed.count(b.prompt_ids) == 1 and hashed.count(a.prompt_ids) == 1
+    assert pool.cached_prompt_tokens == 16  # b attached a's registered blocks through its one chain
+    assert got == {r.request_id: cold.generate([r])[r.request_id].token_ids for r in (a, b)}
+    assert pool.active_slots == 0 and pool.cache.free_blocks == pool.cache.num_blocks
