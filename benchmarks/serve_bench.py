@@ -183,6 +183,9 @@ class LoadResult:
     passes: int = 0
     mean_k_sum: float = 0.0  # sum over requests of usage.speculation.mean_k times their passes
     pass_rates: list[float] = field(default_factory=list)  # each pass's aggregate tokens/s
+    # The target's blocks of remote guesses during these requests, by source (fresh, prepared,
+    # continued, offered), from its metrics before and after each load.
+    blocks: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -252,9 +255,8 @@ class _Stack:
             stop_process_group(p, grace=30)
         self.log.close()
 
-    def block_shares(self) -> dict[str, float] | None:
-        """Shares of the target's blocks of remote guesses so far: "prepared", drafted ahead (whole,
-        in part, or offered), and "offered", of those the ones verified without waiting."""
+    def block_counts(self) -> dict[str, float]:
+        """The target's blocks of remote guesses since it started, by source (its counter)."""
         with urllib.request.urlopen(self.target_metrics_url, timeout=5) as r:
             text = r.read().decode()
         counts = {}
@@ -262,11 +264,26 @@ class _Stack:
             if line.startswith("specd_spec_draft_blocks_total{"):
                 source = line.split('source="', 1)[1].split('"', 1)[0]
                 counts[source] = float(line.rpartition(" ")[2])
-        total = sum(counts.values())
-        if not total:
-            return None
-        ahead = counts.get("prepared", 0) + counts.get("continued", 0) + counts.get("offered", 0)
-        return {"prepared": ahead / total, "offered": counts.get("offered", 0) / total}
+        return counts
+
+    def load(self, w: str, t: float, c: int, mode: Mode, cfg: ServeBenchConfig, prompts) -> LoadResult:
+        """One load (see _load), with the target's blocks by source counted over it alone: not
+        over the warm-up, whose two streams are never offered blocks (OFFER_MAX_ROWS), nor over
+        another cell's."""
+        before = self.block_counts()
+        r = asyncio.run(_load(self.url, w, t, c, mode, cfg, prompts))
+        r.blocks = {k: v - before.get(k, 0.0) for k, v in self.block_counts().items()}
+        return r
+
+
+def block_shares(counts: dict[str, float]) -> dict[str, float] | None:
+    """Shares of a target's blocks of remote guesses: "prepared", drafted ahead (whole, in part,
+    or offered), and "offered", of those the ones verified without waiting."""
+    total = sum(counts.values())
+    if not total:
+        return None
+    ahead = counts.get("prepared", 0) + counts.get("continued", 0) + counts.get("offered", 0)
+    return {"prepared": ahead / total, "offered": counts.get("offered", 0) / total}
 
 
 @contextmanager
@@ -370,6 +387,8 @@ def _merge(into: LoadResult, other: LoadResult) -> None:
     into.accepted += other.accepted
     into.passes += other.passes
     into.mean_k_sum += other.mean_k_sum
+    for source, n in other.blocks.items():
+        into.blocks[source] = into.blocks.get(source, 0.0) + n
     into.pass_rates += other.pass_rates
 
 
@@ -442,7 +461,6 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
         inproc = _InProcess(cfg, prompt_sets["code"])
     results: dict[Key, LoadResult] = {}
     pass_shares: dict[tuple[str, bool, Mode], list[float]] = {}
-    prepared: dict[tuple[str, bool], dict[str, float] | None] = {}
     for pinned in cfg.pin_cores:
         layout = _layout(pinned)
         cores = CorePlan.parse("auto") if pinned else None
@@ -473,7 +491,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                                 if mode == cfg.modes[0] and ahead != first_way:
                                     continue
                                 with _on_cores(client):
-                                    r = asyncio.run(_load(stack.url, w, t, c, mode, cfg, prompt_sets[w]))
+                                    r = stack.load(w, t, c, mode, cfg, prompt_sets[w])
                                 key = (layout, ahead, w, t, c, mode)
                                 if key in results:
                                     _merge(results[key], r)
@@ -501,12 +519,10 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                                 if m != cfg.modes[0]:
                                     share = round((v / ip[m]) / base, 3)
                                     pass_shares.setdefault((layout, ahead, m), []).append(share)
-            for ahead, stack in stacks.items():
-                prepared[(layout, ahead)] = stack.block_shares()
         finally:
             for stack in stacks.values():
                 stack.stop()
-    doc = _document(cfg, results, inproc.totals() if inproc else {}, groups, concurrencies, prepared)
+    doc = _document(cfg, results, inproc.totals() if inproc else {}, groups, concurrencies)
     for (layout, ahead, m), shares in pass_shares.items():
         doc["concurrency_1"][_c1_label(cfg, layout, ahead, m)]["share_kept_per_pass"] = shares
     (out / f"{cfg.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -525,7 +541,7 @@ def _c1_label(cfg: ServeBenchConfig, layout: str, ahead: bool, mode: Mode) -> st
     return f"{_mode(mode)}, {_way(ahead)}, {layout}"
 
 
-def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, groups, concurrencies, prepared) -> dict:
+def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, groups, concurrencies) -> dict:
     rows = []
     verdicts = []
     ahead_rows = []
@@ -598,7 +614,9 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                 for c in concurrencies:
                     base = results[(layout, first_way, w, t, c, cfg.modes[0])].tokens_per_second
                     for mode in cfg.modes[1:]:
-                        on = results[(layout, True, w, t, c, mode)].tokens_per_second
+                        ahead_r = results[(layout, True, w, t, c, mode)]
+                        on = ahead_r.tokens_per_second
+                        shares = block_shares(ahead_r.blocks)
                         off = results[(layout, False, w, t, c, mode)].tokens_per_second
                         ahead_rows.append(
                             {
@@ -610,8 +628,8 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
                                 "speedup_in_turn": round(off / base, 3),
                                 "speedup_ahead": round(on / base, 3),
                                 "ahead_vs_in_turn": round(on / off, 3),
-                                "prepared_share": _share(prepared.get((layout, True)), "prepared"),
-                                "offered_share": _share(prepared.get((layout, True)), "offered"),
+                                "prepared_share": _share(shares, "prepared"),
+                                "offered_share": _share(shares, "offered"),
                             }
                         )
     per_mode = {}
@@ -647,9 +665,19 @@ def _document(cfg: ServeBenchConfig, results: dict[Key, LoadResult], inproc, gro
         "rows": rows,
         "auto_vs_others": verdicts,
         "ahead_vs_in_turn": ahead_rows,
-        "block_shares": {f"{layout}, {_way(a)}": v for (layout, a), v in prepared.items()},
+        "block_shares": {f"{layout}, {_way(a)}": block_shares(_blocks(results, layout, a)) for layout, a in combos},
         "concurrency_1": per_mode,
     }
+
+
+def _blocks(results: dict[Key, LoadResult], layout: str, ahead: bool) -> dict[str, float]:
+    """The target's blocks by source over every measured load of one layout and way."""
+    total: dict[str, float] = {}
+    for (lay, a, *_), r in results.items():
+        if (lay, a) == (layout, ahead):
+            for source, n in r.blocks.items():
+                total[source] = total.get(source, 0.0) + n
+    return total
 
 
 def _share(shares: dict[str, float] | None, name: str) -> float | None:

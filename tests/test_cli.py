@@ -213,7 +213,33 @@ def test_serve_bench_quick_runs_every_k_side_by_side(tiny_pair, tmp_path) -> Non
         assert v["auto_vs_none_judged"]["median"] == v["auto_vs_none"] and v["auto_vs_none_judged"]["bar"] == 0.97
         assert v["auto_vs_best_judged"]["verdict"] == ("met" if v["auto_vs_best"] >= 0.95 else "not met")
     assert "| code | 0 | 1 | draft k=3 |" in res.stdout and "auto / best" in res.stdout
+    # Drafting in turn: every block counted over the measured loads was drafted fresh.
+    assert doc["block_shares"] == {"unpinned, in turn": {"prepared": 0.0, "offered": 0.0}}
     assert (tmp_path / "serve_bench.png").stat().st_size > 10_000
+
+
+def test_serve_bench_counts_a_cell_s_blocks_over_its_own_loads_only() -> None:
+    """The shares of prepared and offered blocks come from the target's counters read before and
+    after each measured load and summed per cell and per stack, so the warm-up (two streams, never
+    offered a block) and other cells do not dilute a cell's figure."""
+    from specd.benchmarks.serve_bench import LoadResult, _blocks, _merge, block_shares
+
+    def load(blocks: dict[str, float]) -> LoadResult:
+        return LoadResult("code", 0.0, 1, ("draft", 4), tokens=96, pass_rates=[100.0], blocks=blocks)
+
+    c1 = load({"fresh": 3.0, "offered": 6.0, "prepared": 1.0})
+    _merge(c1, load({"fresh": 1.0, "offered": 8.0, "continued": 1.0}))
+    assert c1.blocks == {"fresh": 4.0, "offered": 14.0, "prepared": 1.0, "continued": 1.0}
+    assert block_shares(c1.blocks) == {"prepared": 0.8, "offered": 0.7}
+    assert block_shares({}) is None and block_shares({"fresh": 0.0}) is None
+    c16 = load({"fresh": 10.0, "prepared": 10.0})
+    results = {
+        ("pinned", True, "code", 0.0, 1, ("draft", 4)): c1,
+        ("pinned", True, "code", 0.0, 16, ("draft", 4)): c16,
+        ("pinned", False, "code", 0.0, 1, ("draft", 4)): load({"fresh": 30.0}),
+    }
+    assert _blocks(results, "pinned", True) == {"fresh": 14.0, "offered": 14.0, "prepared": 11.0, "continued": 1.0}
+    assert block_shares(_blocks(results, "pinned", False)) == {"prepared": 0.0, "offered": 0.0}
 
 
 def test_bench_paired_refuses_what_it_cannot_compare() -> None:
