@@ -387,9 +387,14 @@ def _merge(into: LoadResult, other: LoadResult) -> None:
     into.accepted += other.accepted
     into.passes += other.passes
     into.mean_k_sum += other.mean_k_sum
-    for source, n in other.blocks.items():
-        into.blocks[source] = into.blocks.get(source, 0.0) + n
+    _add_blocks(into.blocks, other.blocks)
     into.pass_rates += other.pass_rates
+
+
+def _add_blocks(into: dict[str, float], counts: dict[str, float]) -> None:
+    """Add ``counts`` of blocks by source into ``into``."""
+    for source, n in counts.items():
+        into[source] = into.get(source, 0.0) + n
 
 
 class _InProcess:
@@ -675,8 +680,7 @@ def _blocks(results: dict[Key, LoadResult], layout: str, ahead: bool) -> dict[st
     total: dict[str, float] = {}
     for (lay, a, *_), r in results.items():
         if (lay, a) == (layout, ahead):
-            for source, n in r.blocks.items():
-                total[source] = total.get(source, 0.0) + n
+            _add_blocks(total, r.blocks)
     return total
 
 
