@@ -32,6 +32,7 @@ lossless for any block size, including 0).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -481,6 +482,35 @@ def choose_solo(
     return ks, drafters
 
 
+def choose_solo_row(
+    acceptance: Sequence[Sequence[float]], match_len: int, model_ok: bool, cap: int, cost: CostModel
+) -> tuple[int, int]:
+    """:func:`choose_solo` for one row, in plain Python: ``[2][kmax]`` acceptance -> (k, drafter).
+
+    Bit for bit the same decision: the same sums and products in the same order, and the first
+    maximum in the same order of options. It must be: a seeded row is planned by whichever of the
+    two its batch's size picks, and one different k would change which random numbers its tokens
+    are drawn with. At batch 1 choose_solo's arrays cost some 0.3 ms a round (a twentieth of a
+    round of the demo pair), this a few microseconds."""
+    kmax = len(acceptance[MODEL])
+    top = min(cap, kmax)
+    step = cost.d_step + cost.d_step_row
+    best, best_k, best_d = -math.inf, 0, -1
+    for d, last in ((NGRAM, min(top, match_len)), (MODEL, top if model_ok else 0)):
+        survive, summed = 1.0, 0.0
+        for k in range(0, last + 1):
+            if k > 0:
+                survive *= min(max(acceptance[d][k - 1], 0.0), 1.0)
+                summed += survive
+            elif d == MODEL:
+                continue  # k = 0 is the n-gram column's (no drafter)
+            c = cost.verify(1, k) + (cost.d0 + k * step) if d == MODEL else cost.verify(1, k)
+            ratio = (1.0 + summed) / c
+            if ratio > best:
+                best, best_k, best_d = ratio, k, d
+    return best_k, (best_d if best_k > 0 else -1)
+
+
 # ------------------------------------------------------------------------------- statistics
 
 
@@ -496,6 +526,9 @@ class ControllerConfig:
     global_decay: float = 0.995  # per round, engine-wide counts (about 200 rounds of memory)
     seq_prior_weight: float = 3.0  # pseudo-observations of the engine-wide rate in a sequence's own
     seq_decay: float = 0.85  # per round of that sequence (about 7 rounds of memory)
+    # Per round of a sequence, its own longer memory (SeqAcceptance.own, about 50 rounds): a seeded
+    # row's prior, built like the engine-wide one (global_prior_weight, prior_acceptance).
+    own_decay: float = 0.98
     cost_decay: float = 0.98  # per round, cost-model data (about 50 rounds)
     # Ridge pull of the cost fit toward its prior, in units of the features' mean square: weak, so
     # a little variation in the width identifies the per-token cost, yet it keeps a batch that never
@@ -610,12 +643,15 @@ class DecayedCounts:
 
 
 class SeqAcceptance(DecayedCounts):
-    """A sequence's decayed accept / test counts per drafter (NGRAM, MODEL) and position."""
+    """A sequence's decayed accept / test counts per drafter (NGRAM, MODEL) and position, and the
+    same counts with a longer memory (``own``): what a seeded row is pulled toward, where any other
+    row is pulled toward the engine-wide rate (which a seeded row's plan must not depend on)."""
 
-    __slots__ = ()
+    __slots__ = ("own",)
 
     def __init__(self, kmax: int) -> None:
         super().__init__(2, kmax)
+        self.own = DecayedCounts(2, kmax)
 
 
 def _chained(accepted: list[float], tested: list[float], weight: float, first: float) -> list[float]:
@@ -904,14 +940,19 @@ class SpeculationController:
         # Seeded sampled rows: planned alone, from their own history and fixed priors, so the same
         # request draws the same random numbers whatever shares its batch and however fast it runs.
         solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0 and pinned]
-        if solo:
-            w, a0 = self.cfg.seq_prior_weight, self.cfg.prior_acceptance
-            seqs = [rows[i].seq for i in solo]
-            acc = np.array(
-                [[_chained(a[:kmax], t[:kmax], w * q.unit, a0) for a, t in zip(q.accepted, q.tested)] for q in seqs]
-            )
+        if len(solo) == len(rows) == 1:  # a seeded row alone: nothing else to price
+            k, d = choose_solo_row(self._seeded_acceptance(rows[0].seq, kmax), *self._solo_args(rows[0]))
+            self.stats.rounds += 1
+            self.stats.chosen_k = [k]
+            return solo_choice(k, d)
+        if 0 < len(solo) <= FEW_ROWS:
+            for i in solo:
+                forced_k[i], forced_d[i] = choose_solo_row(
+                    self._seeded_acceptance(rows[i].seq, kmax), *self._solo_args(rows[i])
+                )
+        elif solo:
             ks, drafters = choose_solo(
-                acc,
+                np.array([self._seeded_acceptance(rows[i].seq, kmax) for i in solo]),
                 np.array([rows[i].match_len for i in solo], dtype=int),
                 np.array([rows[i].model_ok for i in solo], dtype=bool),
                 np.array([rows[i].cap for i in solo], dtype=int),
@@ -944,6 +985,22 @@ class SpeculationController:
             lambda width_range: choose_blocks(*args, width_range=width_range, keys=keys, catch_up=catch_up),
             free=bool((forced_k < 0).all()),
         )
+
+    def _seeded_acceptance(self, seq: SeqAcceptance, kmax: int) -> list[list[float]]:
+        """``[2][kmax]`` a seeded row's acceptance, from its own history and fixed priors only: its
+        recent counts pulled toward its longer memory (SeqAcceptance.own), as another row's are
+        toward the engine-wide rate. Pulled toward one fixed prior instead, the positions a row
+        seldom reaches inherited the rate before them, where conditional acceptance rises with the
+        position, and seeded rows drafted too little (measured on the demo pair at T = 0.8, batch 1:
+        0.82x the best fixed k)."""
+        cfg, own = self.cfg, seq.own
+        w = cfg.global_prior_weight * own.unit
+        prior = [_chained(a[:kmax], t[:kmax], w, cfg.prior_acceptance) for a, t in zip(own.accepted, own.tested)]
+        return _pulled(seq, prior, cfg.seq_prior_weight, kmax)
+
+    @staticmethod
+    def _solo_args(row: RowPlan) -> tuple[int, bool, int, CostModel]:
+        return row.match_len, row.model_ok, row.cap, REFERENCE_COST
 
     def _plan_few(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
         """:meth:`plan` for a few free rows (see FEW_ROWS): the same choice, made without arrays."""
@@ -1108,12 +1165,14 @@ class SpeculationController:
             counts.decay(self.cfg.global_decay)
         self._global_age[0] += 1
         self._global_age[1] += 1
-        seq_decay = self.cfg.seq_decay
+        seq_decay, own_decay = self.cfg.seq_decay, self.cfg.own_decay
         for seq, greedy, drafter, proposed, accepted in rows:
             seq.decay(seq_decay)
+            seq.own.decay(own_decay)
             if drafter < 0 or proposed <= 0:
                 continue
             seq.record(drafter, proposed, accepted)
+            seq.own.record(drafter, proposed, accepted)
             self.global_counts[int(greedy)].record(drafter, proposed, accepted)
 
     def observe_costs(

@@ -19,8 +19,11 @@ from specd.services.engine.controller import (
     RowPlan,
     SeqAcceptance,
     SpeculationController,
+    _chained,
     _choose_few,
     choose_blocks,
+    choose_solo,
+    choose_solo_row,
     expected_tokens,
 )
 
@@ -376,6 +379,78 @@ def test_seeded_rows_are_planned_without_timings_or_batch() -> None:
         ch = ctl.plan([RowPlan(seq, False, KMAX, 2, True, deterministic=True), *mates], KMAX)
         out.append((int(ch.ks[0]), int(ch.drafters[0])))
     assert out[0] == out[1] and out[0][0] > 0
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_seeded_row_gets_the_same_plan_from_either_solo_path(seed: int) -> None:
+    """choose_solo_row (a seeded row alone or among a few) and choose_solo (among many) decide bit
+    for bit alike, near-ties included: which one a row meets depends on its batch, and one
+    different k would change the random numbers its tokens are drawn with."""
+    rng = np.random.default_rng(300 + seed)
+    D = 12
+    acc = rng.uniform(0, 1, (D, 2, KMAX)) ** rng.uniform(0.2, 3)
+    if seed % 3 == 0:  # coarse values: many options tie exactly
+        acc = np.round(acc * 4) / 4
+    match = rng.integers(0, KMAX + 1, D)
+    model_ok = rng.random(D) < 0.7
+    cap = rng.integers(0, KMAX + 1, D)
+    cost = _random_cost(rng) if seed % 2 else controller_module.REFERENCE_COST
+    if seed % 4 == 1:  # exact ties: free drafting, both drafters alike, zeros that add no tokens
+        cost = CostModel(v0=1e-3, v_row=0.0, v_token=0.0)
+        acc[:, MODEL] = acc[:, NGRAM]
+        acc[:, :, 2] = 0.0
+    ks, drafters = choose_solo(acc, match, model_ok, cap, cost)
+    for i in range(D):
+        got = choose_solo_row(acc[i].tolist(), int(match[i]), bool(model_ok[i]), int(cap[i]), cost)
+        assert got == (int(ks[i]), int(drafters[i]))
+
+
+def test_a_seeded_row_is_planned_alike_alone_among_few_and_among_many() -> None:
+    """The same seeded row's plan alone (its own fast path), beside a few free rows and beside
+    more seeded rows than the plain-Python path takes (the arrays)."""
+    rng = np.random.default_rng(7)
+    ctl = SpeculationController()
+    seq = SeqAcceptance(KMAX)
+    for _ in range(40):
+        k = int(rng.integers(1, KMAX + 1))
+        ctl.observe_rows([(seq, False, MODEL, k, int(rng.integers(0, k + 1)))])
+
+    def seeded(s: SeqAcceptance) -> RowPlan:
+        return RowPlan(s, False, KMAX, 2, True, deterministic=True)
+
+    plans = []
+    for mates in (
+        [],
+        [RowPlan(SeqAcceptance(KMAX), False, KMAX, 0, True) for _ in range(3)],
+        [seeded(SeqAcceptance(KMAX)) for _ in range(controller_module.FEW_ROWS + 4)],
+    ):
+        ch = ctl.plan([seeded(seq), *mates], KMAX)
+        plans.append((int(ch.ks[0]), int(ch.drafters[0])))
+    assert plans[0] == plans[1] == plans[2] and plans[0][0] > 0
+
+
+def test_a_seeded_row_learns_its_later_positions_from_its_own_longer_history() -> None:
+    """Conditional acceptance rises with the position (a guess that follows passed ones is easier).
+    A seeded row may not borrow the engine-wide rate, so its short memory is pulled toward its own
+    longer one; pulled toward the fixed prior instead, the positions after the first inherited the
+    first's lower estimate and seeded rows drafted too little."""
+    cfg = ControllerConfig()
+    ctl = SpeculationController(cfg)
+    seq = SeqAcceptance(KMAX)
+    first, later = 0.7, 0.95  # conditional acceptance at position 1, and at every one after it
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        passed = 0
+        while passed < 4 and rng.random() < (first if passed == 0 else later):
+            passed += 1
+        ctl.observe_rows([(seq, False, MODEL, 4, passed)])
+    got = ctl._seeded_acceptance(seq, KMAX)[MODEL]
+    fixed_prior = _chained(
+        seq.accepted[MODEL], seq.tested[MODEL], cfg.seq_prior_weight * seq.unit, cfg.prior_acceptance
+    )
+    assert abs(got[0] - first) < 0.15
+    for j in (1, 2, 3):
+        assert got[j] > 0.8 and got[j] > fixed_prior[j] + 0.05
 
 
 def test_oracle_bound_prices_only_the_accepted_guesses() -> None:
