@@ -17,6 +17,10 @@ a shared 2-core machine the speed of the whole run drifts by 10-30% between minu
   own work's cost), and the ``auto`` path at K with the controller's planning and observing
   skipped (the rest of the path's cost). ``auto`` against the first is what its choices are worth.
 
+Sampled requests carry a seed (one per prompt), so at a temperature ``auto`` is planned as a seeded
+request is: from its own history and a fixed reference cost, not from the measured timings (see
+docs/how-it-works.md, "Seeded requests repeat exactly"); the serving benchmark sends no seeds.
+
 The verdict against the best fixed k (the most tokens per second over the run): ``as fast`` when the
 interval reaches 1, ``slower`` when it lies below, ``faster`` when above.
 """
