@@ -32,7 +32,6 @@ lossless for any block size, including 0).
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from specd.services.common.constants import MAX_SPECULATIVE_TOKENS
+from specd.services.common.constants import FIXED_NUM_TOKENS, MAX_SPECULATIVE_TOKENS
 
 # Drafter codes of the decision arrays; "none" is k = 0.
 NGRAM, MODEL = 0, 1
@@ -458,57 +457,33 @@ def _forced_choice(
     return Choice(ks.astype(int), drafters.astype(int), width, steps, tokens, c)
 
 
-def choose_solo(
-    acceptance: np.ndarray, match_len: np.ndarray, model_ok: np.ndarray, cap: np.ndarray, cost: CostModel
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each row planned as if it ran alone (a batch of one): ``[D, 2, kmax]`` acceptance -> (ks, drafters).
-
-    The same objective as :func:`choose_blocks` at B = 1, vectorised over independent rows.
-    """
-    D, _, kmax = acceptance.shape
-    E = expected_tokens(acceptance)  # [D, 2, kmax + 1]
-    k = np.arange(kmax + 1)
-    verify = np.array([cost.verify(1, int(w)) for w in k])  # [kmax + 1]
-    c_ng = verify
-    c_m = verify + np.where(k > 0, cost.d0 + k * (cost.d_step + cost.d_step_row), 0.0)
-    capped = k[None, :] <= np.minimum(cap, kmax)[:, None]  # [D, kmax + 1]
-    r_ng = np.where(capped & (k[None, :] <= match_len[:, None]), E[:, NGRAM] / c_ng, -np.inf)
-    r_m = np.where(capped & model_ok[:, None], E[:, MODEL] / c_m, -np.inf)
-    r_m[:, 0] = -np.inf  # k = 0 is the n-gram column's (no drafter)
-    ratio = np.concatenate([r_ng, r_m], axis=1)  # first maximum: n-gram before model, small k first
-    best = np.argmax(ratio, axis=1)
-    ks = best % (kmax + 1)
-    drafters = np.where(ks == 0, -1, np.where(best > kmax, MODEL, NGRAM))
-    return ks, drafters
-
-
-def choose_solo_row(
-    acceptance: Sequence[Sequence[float]], match_len: int, model_ok: bool, cap: int, cost: CostModel
+def choose_seeded(
+    acceptance: Sequence[Sequence[float]], match_len: int, model_ok: bool, cap: int, k: int, cost: CostModel
 ) -> tuple[int, int]:
-    """:func:`choose_solo` for one row, in plain Python: ``[2][kmax]`` acceptance -> (k, drafter).
+    """A seeded sampled row's plan, from its ``[2][kmax]`` acceptance alone: (k, drafter).
 
-    Bit for bit the same decision: the same sums and products in the same order, and the first
-    maximum in the same order of options. It must be: a seeded row is planned by whichever of the
-    two its batch's size picks, and one different k would change which random numbers its tokens
-    are drawn with. At batch 1 choose_solo's arrays cost some 0.3 ms a round (a twentieth of a
-    round of the demo pair), this a few microseconds."""
-    kmax = len(acceptance[MODEL])
-    top = min(cap, kmax)
-    step = cost.d_step + cost.d_step_row
-    best, best_k, best_d = -math.inf, 0, -1
-    for d, last in ((NGRAM, min(top, match_len)), (MODEL, top if model_ok else 0)):
+    Two options: no guesses, or ``k`` of them (at most ``cap``) from the draft model; without the
+    model, from the n-gram (as many as it matches, up to ``k``). Each is priced as if the row ran
+    alone, and the better goodput wins (a tie: none).
+
+    Why so few: a seeded row's plan may depend on neither timings nor its batch (its tokens must
+    repeat whatever shares the batch), so it cannot see load, and a batch verifies its widest
+    row's block: rows planned alone over every k (measured on the demo pair, 16 seeded rows at
+    T = 0.8: k from 1 to 6, the batch verifying the widest) ran at 0.66x `none`, where a fixed k = 3
+    ran at 0.91x. One common k keeps the batch's width at it, and the row keeps its way out when
+    its guesses fail."""
+    top = min(k, cap, len(acceptance[MODEL]))
+    best, best_k, best_d = 1.0 / cost.verify(1, 0), 0, -1
+    drafter, k = (MODEL, top) if model_ok else (NGRAM, min(top, match_len))
+    if k > 0:
         survive, summed = 1.0, 0.0
-        for k in range(0, last + 1):
-            if k > 0:
-                survive *= min(max(acceptance[d][k - 1], 0.0), 1.0)
-                summed += survive
-            elif d == MODEL:
-                continue  # k = 0 is the n-gram column's (no drafter)
-            c = cost.verify(1, k) + (cost.d0 + k * step) if d == MODEL else cost.verify(1, k)
-            ratio = (1.0 + summed) / c
-            if ratio > best:
-                best, best_k, best_d = ratio, k, d
-    return best_k, (best_d if best_k > 0 else -1)
+        for a in acceptance[drafter][:k]:
+            survive *= min(max(a, 0.0), 1.0)
+            summed += survive
+        c = cost.verify(1, k) + (cost.draft(k, 1) if drafter == MODEL else 0.0)
+        if (1.0 + summed) / c > best:
+            best_k, best_d = k, drafter
+    return best_k, best_d
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -605,6 +580,8 @@ class ControllerConfig:
     # Plan seeded sampled requests from their own history with fixed priors and costs (so they
     # repeat exactly); False plans them like any other row (tests of the timing-driven path).
     pin_seeded: bool = True
+    # A seeded row's guesses when it speculates (choose_seeded says why one k): the fixed methods'.
+    seeded_k: int = FIXED_NUM_TOKENS
     seed: int = 0
 
 
@@ -935,30 +912,18 @@ class SpeculationController:
                 return self._plan_one(rows[0], kmax)
             if len(rows) <= FEW_ROWS:
                 return self._plan_few(rows, kmax)
-        forced_k = np.array([r.forced_k for r in rows], dtype=int)
-        forced_d = np.array([r.forced_drafter for r in rows], dtype=int)
         # Seeded sampled rows: planned alone, from their own history and fixed priors, so the same
         # request draws the same random numbers whatever shares its batch and however fast it runs.
         solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0 and pinned]
         if len(solo) == len(rows) == 1:  # a seeded row alone: nothing else to price
-            k, d = choose_solo_row(self._seeded_acceptance(rows[0].seq, kmax), *self._solo_args(rows[0]))
+            k, d = self._plan_seeded(rows[0], kmax)
             self.stats.rounds += 1
             self.stats.chosen_k = [k]
             return solo_choice(k, d)
-        if 0 < len(solo) <= FEW_ROWS:
-            for i in solo:
-                forced_k[i], forced_d[i] = choose_solo_row(
-                    self._seeded_acceptance(rows[i].seq, kmax), *self._solo_args(rows[i])
-                )
-        elif solo:
-            ks, drafters = choose_solo(
-                np.array([self._seeded_acceptance(rows[i].seq, kmax) for i in solo]),
-                np.array([rows[i].match_len for i in solo], dtype=int),
-                np.array([rows[i].model_ok for i in solo], dtype=bool),
-                np.array([rows[i].cap for i in solo], dtype=int),
-                REFERENCE_COST,
-            )
-            forced_k[solo], forced_d[solo] = ks, drafters
+        forced_k = np.array([r.forced_k for r in rows], dtype=int)
+        forced_d = np.array([r.forced_drafter for r in rows], dtype=int)
+        for i in solo:
+            forced_k[i], forced_d[i] = self._plan_seeded(rows[i], kmax)
         priors = {g: self.global_acceptance(g) for g in {r.greedy for r in rows}}
         w = self.cfg.seq_prior_weight
         acc = np.array([_pulled(r.seq, priors[r.greedy], w, kmax) for r in rows])
@@ -986,6 +951,12 @@ class SpeculationController:
             free=bool((forced_k < 0).all()),
         )
 
+    def _plan_seeded(self, row: RowPlan, kmax: int) -> tuple[int, int]:
+        """:func:`choose_seeded` for a seeded row, at ``seeded_k`` guesses, priced by REFERENCE_COST."""
+        k = min(self.cfg.seeded_k, kmax)
+        acc = self._seeded_acceptance(row.seq, k)
+        return choose_seeded(acc, row.match_len, row.model_ok, row.cap, k, REFERENCE_COST)
+
     def _seeded_acceptance(self, seq: SeqAcceptance, kmax: int) -> list[list[float]]:
         """``[2][kmax]`` a seeded row's acceptance, from its own history and fixed priors only: its
         recent counts pulled toward its longer memory (SeqAcceptance.own), as another row's are
@@ -997,10 +968,6 @@ class SpeculationController:
         w = cfg.global_prior_weight * own.unit
         prior = [_chained(a[:kmax], t[:kmax], w, cfg.prior_acceptance) for a, t in zip(own.accepted, own.tested)]
         return _pulled(seq, prior, cfg.seq_prior_weight, kmax)
-
-    @staticmethod
-    def _solo_args(row: RowPlan) -> tuple[int, bool, int, CostModel]:
-        return row.match_len, row.model_ok, row.cap, REFERENCE_COST
 
     def _plan_few(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
         """:meth:`plan` for a few free rows (see FEW_ROWS): the same choice, made without arrays."""

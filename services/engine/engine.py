@@ -522,15 +522,16 @@ class Engine:
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             p = seq.req.params
             if routes[i] == "auto":
-                if k > 0:
-                    match = lookup.lookup(seq.tokens, k, seq.req.request_id)  # as "ngram" does
-                    if match:
-                        matches[i] = match
                 # A seeded sampled request is planned from its own history alone, so it repeats
                 # exactly whatever shares its batch and however fast the rounds run.
                 deterministic = p.seeded_sampling
                 # A draft not ready for the row (prefilling it, or past its context) is no option.
                 model_ok = have_model and self._draft_may_guess(seq)
+                # (A seeded row with the model never uses the n-gram: controller.choose_seeded.)
+                if k > 0 and not (deterministic and model_ok and self.controller.cfg.pin_seeded):
+                    match = lookup.lookup(seq.tokens, k, seq.req.request_id)  # as "ngram" does
+                    if match:
+                        matches[i] = match
                 rows.append(
                     RowPlan(
                         seq.acceptance,

@@ -22,8 +22,7 @@ from specd.services.engine.controller import (
     _chained,
     _choose_few,
     choose_blocks,
-    choose_solo,
-    choose_solo_row,
+    choose_seeded,
     expected_tokens,
 )
 
@@ -381,33 +380,42 @@ def test_seeded_rows_are_planned_without_timings_or_batch() -> None:
     assert out[0] == out[1] and out[0][0] > 0
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_a_seeded_row_gets_the_same_plan_from_either_solo_path(seed: int) -> None:
-    """choose_solo_row (a seeded row alone or among a few) and choose_solo (among many) decide bit
-    for bit alike, near-ties included: which one a row meets depends on its batch, and one
-    different k would change the random numbers its tokens are drawn with."""
+@pytest.mark.parametrize("seed", range(40))
+def test_a_seeded_row_drafts_its_fixed_k_or_nothing(seed: int) -> None:
+    """choose_seeded: k is 0 or min(k, cap) from the model (the n-gram's match, up to it, where
+    there is no model), whichever promises more goodput alone; nothing else, so seeded rows in
+    one batch share their width."""
     rng = np.random.default_rng(300 + seed)
-    D = 12
-    acc = rng.uniform(0, 1, (D, 2, KMAX)) ** rng.uniform(0.2, 3)
-    if seed % 3 == 0:  # coarse values: many options tie exactly
-        acc = np.round(acc * 4) / 4
-    match = rng.integers(0, KMAX + 1, D)
-    model_ok = rng.random(D) < 0.7
-    cap = rng.integers(0, KMAX + 1, D)
-    cost = _random_cost(rng) if seed % 2 else controller_module.REFERENCE_COST
-    if seed % 4 == 1:  # exact ties: free drafting, both drafters alike, zeros that add no tokens
-        cost = CostModel(v0=1e-3, v_row=0.0, v_token=0.0)
-        acc[:, MODEL] = acc[:, NGRAM]
-        acc[:, :, 2] = 0.0
-    ks, drafters = choose_solo(acc, match, model_ok, cap, cost)
-    for i in range(D):
-        got = choose_solo_row(acc[i].tolist(), int(match[i]), bool(model_ok[i]), int(cap[i]), cost)
-        assert got == (int(ks[i]), int(drafters[i]))
+    acc = (rng.uniform(0, 1, (2, KMAX)) ** rng.uniform(0.2, 3)).tolist()
+    match, model_ok, cap = int(rng.integers(0, KMAX + 1)), bool(rng.random() < 0.7), int(rng.integers(0, KMAX + 1))
+    k = int(rng.integers(1, KMAX + 1))
+    cost = _random_cost(rng)
+    got_k, got_d = choose_seeded(acc, match, model_ok, cap, k, cost)
+    drafter = MODEL if model_ok else NGRAM
+    top = min(k, cap) if model_ok else min(k, cap, match)
+    assert (got_k, got_d) in ((0, -1), (top, drafter)) and (got_k > 0) == (got_d >= 0)
+    if top > 0:
+        guessed = float(expected_tokens(np.array(acc[drafter][:top]))[-1])
+        price = cost.verify(1, top) + (cost.draft(top, 1) if model_ok else 0.0)
+        assert (got_k > 0) == (guessed / price > 1.0 / cost.verify(1, 0))
+
+
+def test_a_seeded_row_with_failing_guesses_stops_guessing() -> None:
+    """The way out stays: a seeded row whose guesses pass drafts its k; one whose guesses all fail
+    drafts none."""
+    ctl = SpeculationController()
+    good, bad = SeqAcceptance(KMAX), SeqAcceptance(KMAX)
+    for _ in range(30):
+        ctl.observe_rows([(good, False, MODEL, 3, 3), (bad, False, MODEL, 3, 0)])
+    ch = ctl.plan([RowPlan(good, False, KMAX, 0, True, deterministic=True)], KMAX)
+    assert (int(ch.ks[0]), int(ch.drafters[0])) == (ctl.cfg.seeded_k, MODEL)
+    ch = ctl.plan([RowPlan(bad, False, KMAX, 0, True, deterministic=True)], KMAX)
+    assert int(ch.ks[0]) == 0
 
 
 def test_a_seeded_row_is_planned_alike_alone_among_few_and_among_many() -> None:
     """The same seeded row's plan alone (its own fast path), beside a few free rows and beside
-    more seeded rows than the plain-Python path takes (the arrays)."""
+    many seeded rows."""
     rng = np.random.default_rng(7)
     ctl = SpeculationController()
     seq = SeqAcceptance(KMAX)
