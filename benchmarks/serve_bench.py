@@ -91,6 +91,9 @@ class ServeBenchConfig:
     draft_ahead: tuple[bool, ...] = (False,)  # one stack per value, side by side
     pin_cores: tuple[bool, ...] = (False,)  # layouts, one after the other
     name: str = "serve_bench"  # of the output files: NAME.json, NAME.png
+    # Every request carries a seed (its stream's and its own index): a seeded sampled request is
+    # planned apart, from its own history (docs/how-it-works.md), and users send seeds.
+    seeded: bool = False
 
     def __post_init__(self) -> None:
         if not self.draft_ahead or len(set(self.draft_ahead)) != len(self.draft_ahead):
@@ -305,9 +308,12 @@ def _on_cores(cores: frozenset[int] | None, threads: int | None = None) -> Itera
         torch.set_num_threads(before_threads)
 
 
-def _body(workload: str, prompt: str, mode: Mode, temperature: float, cfg: ServeBenchConfig) -> tuple[str, dict]:
+def _body(
+    workload: str, prompt: str, mode: Mode, temperature: float, cfg: ServeBenchConfig, seed: int = 0
+) -> tuple[str, dict]:
     method, k = mode
     body = {
+        **({"seed": seed} if cfg.seeded else {}),
         "max_tokens": cfg.max_tokens,
         "temperature": temperature,
         "ignore_eos": True,
@@ -369,7 +375,8 @@ async def _load(
 
         async def worker(w: int) -> None:
             for j in range(per_worker):
-                path, body = _body(workload, prompts[(w + j * concurrency) % len(prompts)], mode, temperature, cfg)
+                prompt = prompts[(w + j * concurrency) % len(prompts)]
+                path, body = _body(workload, prompt, mode, temperature, cfg, seed=w * per_worker + j)
                 await _one_stream(client, path, body, res)
 
         t0 = time.perf_counter()

@@ -337,6 +337,7 @@ def _serve_bench(args: argparse.Namespace) -> int:
                 draft_ahead=draft_ahead,
                 pin_cores=pin_cores,
                 name=out_name,
+                seeded=args.seeded,
             )
         )
     return 0
@@ -718,6 +719,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or both (off,on); default off",
     )
     b.add_argument("--pairs", default=None, help="--serve: one run per known pair, e.g. demo,qwen2.5-coder")
+    b.add_argument(
+        "--seeded",
+        action="store_true",
+        help="--serve: every request carries a seed (sampled ones are then planned as seeded requests are)",
+    )
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("draft", help="run the gRPC draft service")

@@ -170,6 +170,19 @@ def test_serve_bench_judges_each_bar_from_the_paired_passes() -> None:
     assert (one["median"], one["low"], one["high"], one["verdict"]) == (0.96, 0.96, 0.96, "met")
 
 
+def test_serve_bench_sends_seeds_only_when_asked() -> None:
+    """--seeded: every request carries its own seed (the gateway's "seed"); otherwise none."""
+    from specd.benchmarks.serve_bench import ServeBenchConfig, _body
+
+    mode = ("auto", 4)
+    _, plain = _body("code", "def f():", mode, 0.8, ServeBenchConfig(target="t", draft="d"), seed=5)
+    path, seeded = _body("prose", "Hi", mode, 0.8, ServeBenchConfig(target="t", draft="d", seeded=True), seed=5)
+    assert "seed" not in plain and seeded["seed"] == 5 and path == "/v1/chat/completions"
+    assert {k: v for k, v in seeded.items() if k not in ("seed", "messages")} == {
+        k: v for k, v in plain.items() if k != "prompt"
+    }
+
+
 def test_serve_bench_runs_enough_requests_per_cell_for_every_stream() -> None:
     from specd.benchmarks.serve_bench import ServeBenchConfig, requests_per_stream
 
