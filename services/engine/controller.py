@@ -470,7 +470,7 @@ def choose_seeded(
     repeat whatever shares the batch), so it cannot see load, and a batch verifies its widest
     row's block: rows planned alone over every k (measured on the demo pair, 16 seeded rows at
     T = 0.8: k from 1 to 6, the batch verifying the widest) ran at 0.66x `none`, where a fixed k = 3
-    ran at 0.91x. One common k keeps the batch's width at it, and the row keeps its way out when
+    ran at 0.93x. One common k keeps the batch's width at it, and the row keeps its way out when
     its guesses fail."""
     top = min(k, cap, len(acceptance[MODEL]))
     best, best_k, best_d = 1.0 / cost.verify(1, 0), 0, -1
