@@ -962,8 +962,7 @@ class SpeculationController:
         recent counts pulled toward its longer memory (SeqAcceptance.own), as another row's are
         toward the engine-wide rate. Pulled toward one fixed prior instead, the positions a row
         seldom reaches inherited the rate before them, where conditional acceptance rises with the
-        position, and seeded rows drafted too little (measured on the demo pair at T = 0.8, batch 1:
-        0.82x the best fixed k)."""
+        position, and seeded rows drafted too little."""
         cfg, own = self.cfg, seq.own
         w = cfg.global_prior_weight * own.unit
         prior = [_chained(a[:kmax], t[:kmax], w, cfg.prior_acceptance) for a, t in zip(own.accepted, own.tested)]
