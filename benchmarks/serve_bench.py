@@ -94,6 +94,7 @@ class ServeBenchConfig:
     # Every request carries a seed (its stream's and its own index): a seeded sampled request is
     # planned apart, from its own history (docs/how-it-works.md), and users send seeds.
     seeded: bool = False
+    pin_seeded: bool = True  # the target's --seeded-plans (pinned or measured)
 
     def __post_init__(self) -> None:
         if not self.draft_ahead or len(set(self.draft_ahead)) != len(self.draft_ahead):
@@ -218,6 +219,7 @@ class _Stack:
             pin_cores=cores,
             max_batch_size=cfg.batch_size,  # every concurrent stream in one batch
             prefix_caching=COMPARE_PREFIX_CACHING,
+            pin_seeded=cfg.pin_seeded,
         )
         tag = f"{_layout(cores is not None)}-{'ahead' if draft_ahead else 'in-turn'}"
         self.log = open(Path(cfg.out_dir) / f"{cfg.name}.{tag}.log.tmp", "wb")  # noqa: SIM115

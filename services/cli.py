@@ -338,6 +338,7 @@ def _serve_bench(args: argparse.Namespace) -> int:
                 pin_cores=pin_cores,
                 name=out_name,
                 seeded=args.seeded,
+                pin_seeded=args.seeded_plans == "pinned",
             )
         )
     return 0
@@ -400,6 +401,7 @@ def cmd_target(args: argparse.Namespace) -> int:
         quantize=_quantize(args.quantize),
         draft_ahead=args.draft_ahead == "on",
         prefix_caching=args.prefix_caching == "on",
+        pin_seeded=args.seeded_plans == "pinned",
     )
     serve(cfg)
     return 0
@@ -477,6 +479,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             draft_ahead=args.draft_ahead == "on",
             prefix_caching=args.prefix_caching == "on",
             pin_cores=CorePlan.parse(args.pin_cores) if args.pin_cores else None,
+            pin_seeded=args.seeded_plans == "pinned",
         )
     )
 
@@ -584,6 +587,17 @@ def _add_draft_ahead_arg(p: argparse.ArgumentParser) -> None:
         default=default,
         help="the draft service drafts each sequence's next block while the target verifies, for the likeliest "
         f"outcomes, and answers at once when it guessed right; the output is the same (default {default})",
+    )
+
+
+def _add_seeded_plans_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--seeded-plans",
+        choices=["pinned", "measured"],
+        default="pinned",
+        help="auto's plan for a seeded sampled request: pinned (from its own history and fixed costs, so its "
+        "text repeats whatever shares its batch, but it cannot back off under load) or measured (from timings "
+        "and load like any other request: faster under load, its text then depends on its batch); default pinned",
     )
 
 
@@ -719,6 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or both (off,on); default off",
     )
     b.add_argument("--pairs", default=None, help="--serve: one run per known pair, e.g. demo,qwen2.5-coder")
+    _add_seeded_plans_arg(b)
     b.add_argument(
         "--seeded",
         action="store_true",
@@ -761,6 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-timeout", type=float, default=2.0, help="seconds to wait for a draft round")
     _add_draft_ahead_arg(t)
     _add_prefix_caching_arg(t)
+    _add_seeded_plans_arg(t)
     t.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -822,6 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_args(s)
     _add_draft_ahead_arg(s)
     _add_prefix_caching_arg(s)
+    _add_seeded_plans_arg(s)
     s.add_argument(
         "--pin-cores",
         nargs="?",

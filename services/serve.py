@@ -52,6 +52,7 @@ class ServeConfig:
     draft_ahead: bool = DRAFT_AHEAD_DEFAULT  # the draft prepares each sequence's next block while the target verifies
     prefix_caching: bool = True  # target and draft reuse the K/V of earlier prompts' common prefixes
     pin_cores: CorePlan | None = None  # draft + gateway and the target on disjoint cores (None: unpinned)
+    pin_seeded: bool = True  # the target's --seeded-plans: pinned (True) or measured
 
 
 def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
@@ -93,6 +94,7 @@ def _commands(cfg: ServeConfig) -> list[tuple[str, list[str]]]:
         target += ["--quantize", cfg.quantize]
     target += ["--max-batch-size", str(cfg.max_batch_size), "--max-waiting", str(cfg.max_waiting)]
     target += ["--prefix-caching", "on" if cfg.prefix_caching else "off"]
+    target += ["--seeded-plans", "pinned" if cfg.pin_seeded else "measured"]
     if cfg.draft:
         target += [
             "--draft-address",

@@ -183,6 +183,23 @@ def test_serve_bench_sends_seeds_only_when_asked() -> None:
     }
 
 
+def test_seeded_plans_reach_the_target_from_serve() -> None:
+    """`specd serve --seeded-plans measured` starts its target with it; pinned is the default."""
+    from specd.services.cli import build_parser
+    from specd.services.serve import ServeConfig, _commands
+
+    def target_cmd(cfg: ServeConfig) -> list[str]:
+        return dict(_commands(cfg))["target"]
+
+    measured = target_cmd(ServeConfig(target="t", draft="d", pin_seeded=False))
+    assert measured[measured.index("--seeded-plans") + 1] == "measured"
+    pinned = target_cmd(ServeConfig(target="t", draft="d"))
+    assert pinned[pinned.index("--seeded-plans") + 1] == "pinned"
+    parser = build_parser()
+    assert parser.parse_args(["target", "--model", "m"]).seeded_plans == "pinned"
+    assert parser.parse_args(["target", "--model", "m", "--seeded-plans", "measured"]).seeded_plans == "measured"
+
+
 def test_serve_bench_runs_enough_requests_per_cell_for_every_stream() -> None:
     from specd.benchmarks.serve_bench import ServeBenchConfig, requests_per_stream
 

@@ -125,6 +125,10 @@ class EngineConfig:
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     prefix_caching: bool = True  # reuse the target's K/V of earlier prompts' common prefixes
     warm_up: bool = True  # run each model once at start (services/engine/warmup.py)
+    # A seeded sampled "auto" request's plan: from its own history and fixed costs, so its text
+    # repeats whatever shares its batch (True), or from measured timings and load like any other
+    # request's (False: faster under load, its text then depends on what shares its batch).
+    pin_seeded: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -267,7 +271,9 @@ class Engine:
         self._admitted = 0
         self.last_round = RoundInfo()
         self.device = target.device
-        self.controller = SpeculationController(ControllerConfig(kmax=MAX_SPECULATIVE_TOKENS))
+        self.controller = SpeculationController(
+            ControllerConfig(kmax=MAX_SPECULATIVE_TOKENS, pin_seeded=config.pin_seeded)
+        )
 
     @property
     def limits(self) -> EngineLimits:
@@ -371,11 +377,15 @@ class Engine:
             self._decoding_since = time.perf_counter()
         return outputs
 
-    @staticmethod
-    def _may_rest(seqs: list[_Seq], routes: list[str]) -> bool:
+    def _pinned(self, seq: _Seq) -> bool:
+        """Whether the row's plan must not depend on timings or its batch: a seeded sampled request,
+        unless the engine plans those from measurements too (EngineConfig.pin_seeded)."""
+        return seq.req.params.seeded_sampling and self.config.pin_seeded
+
+    def _may_rest(self, seqs: list[_Seq], routes: list[str]) -> bool:
         """Whether the "auto" rows may skip a plan: not when one is a seeded sampled request (its
         plan comes from its own history alone, whatever shares the batch)."""
-        return not any(r == "auto" and s.req.params.seeded_sampling for s, r in zip(seqs, routes))
+        return not any(r == "auto" and self._pinned(s) for s, r in zip(seqs, routes))
 
     def _evict_aborted(self) -> list[StepOutput]:
         outs = []
@@ -513,7 +523,7 @@ class Engine:
         """The controller's choice for the "auto" rows: their k and route ("draft", "ngram", "none"),
         and their n-gram guesses where the n-gram was chosen. Other rows keep their method and k
         and are priced in as they are (they set a minimum width of the round)."""
-        if len(seqs) == 1 and routes[0] == "auto" and not seqs[0].req.params.seeded_sampling:
+        if len(seqs) == 1 and routes[0] == "auto" and not self._pinned(seqs[0]):
             return self._plan_alone(seqs[0], ks[0])
         lookup = self.ngram
         have_model = self.model_drafter is not None
@@ -524,11 +534,11 @@ class Engine:
             if routes[i] == "auto":
                 # A seeded sampled request is planned from its own history alone, so it repeats
                 # exactly whatever shares its batch and however fast the rounds run.
-                deterministic = p.seeded_sampling
+                deterministic = self._pinned(seq)
                 # A draft not ready for the row (prefilling it, or past its context) is no option.
                 model_ok = have_model and self._draft_may_guess(seq)
                 # (A seeded row with the model never uses the n-gram: controller.choose_seeded.)
-                if k > 0 and not (deterministic and model_ok and self.controller.cfg.pin_seeded):
+                if k > 0 and not (deterministic and model_ok):
                     match = lookup.lookup(seq.tokens, k, seq.req.request_id)  # as "ngram" does
                     if match:
                         matches[i] = match

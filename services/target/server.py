@@ -51,6 +51,7 @@ class TargetServerConfig(ServiceConfig):
     tls: TLSConfig | None = None  # mutual TLS for this server and for its channels to the drafts
     draft_ahead: bool = DRAFT_AHEAD_DEFAULT  # the drafts prepare each sequence's next block while this target verifies
     prefix_caching: bool = True  # reuse the K/V of earlier prompts' common prefixes (EngineConfig.prefix_caching)
+    pin_seeded: bool = True  # seeded sampled requests repeat whatever shares their batch (EngineConfig.pin_seeded)
 
     @property
     def admission(self) -> Admission:
@@ -129,6 +130,7 @@ def load_engine(cfg: TargetServerConfig, draft_endpoints: tuple[str, ...]) -> En
         prefill_chunk=cfg.prefill_chunk,
         kv_cache_memory=cfg.kv_cache_memory,
         prefix_caching=cfg.prefix_caching,
+        pin_seeded=cfg.pin_seeded,
     )
     return Engine(target, tokenizer, None, ecfg, drafter=drafter)
 

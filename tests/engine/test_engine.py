@@ -149,6 +149,35 @@ def test_a_resting_controller_skips_plans_except_with_a_seeded_row(engine: Engin
     assert engine.active_slots == 0
 
 
+def test_measured_seeded_plans_plan_a_seeded_row_like_any_other(tiny_pair) -> None:
+    """EngineConfig(pin_seeded=False) (`--seeded-plans measured`): a seeded sampled "auto" row is
+    planned from timings like any other, so a resting controller runs it plain with its batch (it
+    can back off under load; its text may then differ from alone), and alone it takes the batch of
+    one's path. The default keeps it out of rests (test above)."""
+    target, draft = tiny_pair
+    spec = ModelSpec(target=str(target), draft=str(draft), target_dtype="float32", draft_dtype="float32")
+    engine = build_engine(spec, EngineConfig(max_batch_size=8, max_model_len=256, pin_seeded=False))
+    params = SamplingParams(0.9, max_tokens=20, seed=5, ignore_eos=True)
+    try:
+        assert engine.controller.cfg.pin_seeded is False
+        seeded = Request("m-s", _ids(engine, PROMPTS[1]), params, SpecConfig("auto", 4))
+        free = Request(
+            "m-f", _ids(engine, PROMPTS[0]), SamplingParams(0.8, max_tokens=20, ignore_eos=True), SpecConfig("auto", 4)
+        )
+        engine.controller._dormant = 1000
+        rested = engine.generate([seeded, free])
+        assert 1000 - 20 <= engine.controller._dormant < 1000  # consulted with a seeded row in the batch
+        assert rested["m-s"].stats.proposed_tokens == 0 and len(rested["m-s"].token_ids) == 20
+        engine.controller._dormant = 0
+        planned_alone: list[int] = []
+        plan_one = engine.controller.plan_one
+        engine.controller.plan_one = lambda *a, **kw: planned_alone.append(1) or plan_one(*a, **kw)
+        alone = engine.generate([Request("m-a", _ids(engine, PROMPTS[1]), params, SpecConfig("auto", 4))])
+        assert planned_alone and len(alone["m-a"].token_ids) == 20
+    finally:
+        engine.close()
+
+
 def test_requests_join_between_rounds(engine: Engine) -> None:
     """Continuous batching: a request added mid-flight gives the same tokens as alone."""
     a = Request("join-a", _ids(engine, PROMPTS[0]), _greedy(30), SpecConfig("draft", 4))
