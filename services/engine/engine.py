@@ -383,8 +383,8 @@ class Engine:
         return seq.req.params.seeded_sampling and self.config.pin_seeded
 
     def _may_rest(self, seqs: list[_Seq], routes: list[str]) -> bool:
-        """Whether the "auto" rows may skip a plan: not when one is a seeded sampled request (its
-        plan comes from its own history alone, whatever shares the batch)."""
+        """Whether the "auto" rows may skip a plan: not when one is pinned (a seeded sampled request,
+        whose plan comes from its own history alone, whatever shares the batch)."""
         return not any(r == "auto" and self._pinned(s) for s, r in zip(seqs, routes))
 
     def _evict_aborted(self) -> list[StepOutput]:
@@ -533,7 +533,8 @@ class Engine:
             p = seq.req.params
             if routes[i] == "auto":
                 # A seeded sampled request is planned from its own history alone, so it repeats
-                # exactly whatever shares its batch and however fast the rounds run.
+                # exactly whatever shares its batch and however fast the rounds run (unless the
+                # engine plans seeded rows from measurements: EngineConfig.pin_seeded).
                 deterministic = self._pinned(seq)
                 # A draft not ready for the row (prefilling it, or past its context) is no option.
                 model_ok = have_model and self._draft_may_guess(seq)
