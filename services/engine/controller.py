@@ -577,9 +577,6 @@ class ControllerConfig:
     # From this many rows up one guess more or fewer moves the verified tokens past a step of the
     # kernels' blocks (3 rows on this CPU), so the neighbours see the staircase.
     explore_bounded_rows: int = 4
-    # Plan seeded sampled requests from their own history with fixed priors and costs (so they
-    # repeat exactly); False plans them like any other row (tests of the timing-driven path).
-    pin_seeded: bool = True
     # A seeded row's guesses when it speculates (choose_seeded says why one k): the fixed methods'.
     seeded_k: int = FIXED_NUM_TOKENS
     seed: int = 0
@@ -807,7 +804,9 @@ class RowPlan:
     model_ok: bool
     forced_k: int = -1  # -1: the controller decides
     forced_drafter: int = -1
-    deterministic: bool = False  # plan from the row alone with fixed priors (seeded sampling)
+    # Plan from the row alone with fixed priors (a seeded sampled request, unless the engine plans
+    # those from measurements: EngineConfig.pin_seeded).
+    deterministic: bool = False
     context: int = 0  # tokens in the row's cache (what its verification attends to)
     catch_up: int = 0  # tokens the draft model must feed before guessing for it (CostModel.d_catch)
 
@@ -906,15 +905,14 @@ class SpeculationController:
 
     def plan(self, rows: Sequence[RowPlan], kmax: int) -> Choice:
         """Ks and drafters for this round's rows (kmax: the widest block any row may get)."""
-        pinned = self.cfg.pin_seeded
-        if all(r.forced_k < 0 and not (r.deterministic and pinned) for r in rows):  # every row is free
+        if all(r.forced_k < 0 and not r.deterministic for r in rows):  # every row is free
             if len(rows) == 1:
                 return self._plan_one(rows[0], kmax)
             if len(rows) <= FEW_ROWS:
                 return self._plan_few(rows, kmax)
         # Seeded sampled rows: planned alone, from their own history and fixed priors, so the same
         # request draws the same random numbers whatever shares its batch and however fast it runs.
-        solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0 and pinned]
+        solo = [i for i, r in enumerate(rows) if r.deterministic and r.forced_k < 0]
         if len(solo) == len(rows) == 1:  # a seeded row alone: nothing else to price
             k, d = self._plan_seeded(rows[0], kmax)
             self.stats.rounds += 1

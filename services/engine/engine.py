@@ -271,9 +271,7 @@ class Engine:
         self._admitted = 0
         self.last_round = RoundInfo()
         self.device = target.device
-        self.controller = SpeculationController(
-            ControllerConfig(kmax=MAX_SPECULATIVE_TOKENS, pin_seeded=config.pin_seeded)
-        )
+        self.controller = SpeculationController(ControllerConfig(kmax=MAX_SPECULATIVE_TOKENS))
 
     @property
     def limits(self) -> EngineLimits:

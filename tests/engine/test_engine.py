@@ -159,7 +159,7 @@ def test_measured_seeded_plans_plan_a_seeded_row_like_any_other(tiny_pair) -> No
     engine = build_engine(spec, EngineConfig(max_batch_size=8, max_model_len=256, pin_seeded=False))
     params = SamplingParams(0.9, max_tokens=20, seed=5, ignore_eos=True)
     try:
-        assert engine.controller.cfg.pin_seeded is False
+        assert engine.config.pin_seeded is False
         seeded = Request("m-s", _ids(engine, PROMPTS[1]), params, SpecConfig("auto", 4))
         free = Request(
             "m-f", _ids(engine, PROMPTS[0]), SamplingParams(0.8, max_tokens=20, ignore_eos=True), SpecConfig("auto", 4)
