@@ -733,14 +733,12 @@ class _ShapedFit:
         while True:
             free = [j for j in range(features) if j not in held]
             # The basis: the level's feature less the held features (a held deviation is minus the
-            # level's share, so the coefficient is 0), then each free feature.
-            basis = [[1.0] + [-self.shape[j] if j in held else 0.0 for j in range(features)]]
-            basis += [[1.0 if k == j + 1 else 0.0 for k in range(n)] for j in free]
-            g = [
-                [sum(bi[k] * gram[k][m] * bj[m] for k in range(n) if bi[k] for m in range(n) if bj[m]) for bj in basis]
-                for bi in basis
-            ]
-            r = [sum(bi[k] * rhs[k] for k in range(n) if bi[k]) for bi in basis]
+            # level's share, so the coefficient is 0), then each free feature; each vector as its
+            # nonzero (index, value) pairs (a dense product cost more than the rest of a refit).
+            basis = [[(0, 1.0)] + [(j + 1, -self.shape[j]) for j in sorted(held) if self.shape[j]]]
+            basis += [[(j + 1, 1.0)] for j in free]
+            g = [[sum(a * gram[k][m] * b for k, a in bi for m, b in bj) for bj in basis] for bi in basis]
+            r = [sum(a * rhs[k] for k, a in bi) for bi in basis]
             g[0][0] += 1e-9 * (g[0][0] + 1e-12) / rounds
             for row, j in enumerate(free, start=1):
                 g[row][row] += ridge[j]
