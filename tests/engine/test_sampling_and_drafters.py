@@ -145,6 +145,37 @@ def test_model_drafter_counts_the_tokens_it_catches_up(micro_pair) -> None:
     assert drafter.propose([DraftRow("s", tokens, 2, True)], greedy).caught_up == 6 - CATCH_UP_TOKENS
 
 
+def test_model_drafter_after_a_long_catch_up_guesses_as_if_fed_from_the_start(micro_pair) -> None:
+    """A row back after rounds without the draft (its backlog fed without logits, its last token in
+    a step of its own: ModelDrafter._catch_up), batched with a row that needs one token, gets the
+    guesses and draft probabilities of a drafter that prefilled the same tokens (float32)."""
+    from specd.services.engine.drafters import DraftRow, ModelDrafter
+    from specd.services.engine.model import load_model
+
+    model = load_model(str(micro_pair[1]), torch.float32, "cpu")
+    sampled = BatchSampling.from_params([SamplingParams(1.0, seed=1), SamplingParams(1.0, seed=2)], "cpu")
+    tokens = {"s": [3, 7, 5, 9, 2], "t": [4, 4, 6, 1]}
+    back = ModelDrafter(model, 2, 64)
+    for sid, ids in tokens.items():
+        back.add(sid, ids)
+    back.prefill(64)
+    back.propose([DraftRow("s", tokens["s"], 2, False, seed=1), DraftRow("t", tokens["t"], 2, False, seed=2)], sampled)
+    back.accepted("s", 0)
+    back.accepted("t", 0)
+    tokens["s"] = tokens["s"] + [8, 1, 3, 5, 6, 2, 7, 9, 4, 1]  # ten rounds it sat out
+    tokens["t"] = tokens["t"] + [5]
+    rows = [DraftRow("s", tokens["s"], 3, False, seed=1), DraftRow("t", tokens["t"], 3, False, seed=2)]
+    assert back.unseen("s", len(tokens["s"])) > CATCH_UP_TOKENS  # the long path is the one tested
+    got = back.propose(rows, sampled)
+    fresh = ModelDrafter(model, 2, 64)
+    for sid, ids in tokens.items():
+        fresh.add(sid, ids)
+    fresh.prefill(64)
+    want = fresh.propose(rows, sampled)
+    assert got.token_ids.tolist() == want.token_ids.tolist()
+    torch.testing.assert_close(got.probs, want.probs, atol=1e-5, rtol=1e-4)
+
+
 def _lookup_by_definition(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The longest suffix (max_n down to min_n) that occurred earlier; its latest occurrence's continuation."""
     L = len(tokens)
