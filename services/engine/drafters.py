@@ -389,32 +389,37 @@ class ModelDrafter:
 
     def _catch_up(self, pending: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
         """Feed each row its committed tokens not yet in its cache (``pending[b]``, from position
-        ``starts[b]``; right-padded) and return the logits after each row's last one, [B, 1, V].
+        ``starts[b]``) and return the logits after each row's last one, [B, 1, V].
 
         A long catch-up (a row back after rounds without the draft, more than CATCH_UP_TOKENS) is
-        fed without logits and its last token in a step of its own: the output head over every
-        position of every (padded) row was most of its cost (the demo draft, 2 rows x 50 tokens:
-        4.1 ms with logits at every position, 1.6 ms without), and the controller prices a row's
-        return to the draft by what catch-ups cost."""
+        fed without logits, in a pass of the long rows alone, and its last token with the other
+        rows' usual one or two: the output head over every position of every padded row was most
+        of its cost (the demo draft, 2 rows x 50 tokens: 4.1 ms with logits at every position, 1.6
+        ms without), padding the short rows to the long one's length was the rest, and the
+        controller prices a row's return to the draft by what catch-ups cost."""
         device = self.model.device
-        B, M = len(pending), max(len(p) for p in pending)
-        split = M > CATCH_UP_TOKENS
-        width = M - 1 if split else M
-        inp = torch.zeros((B, width), dtype=torch.long)
-        for i, p in enumerate(pending):
-            fed = p[:-1] if split else p
-            inp[i, : len(fed)] = torch.tensor(fed, dtype=torch.long)
+        long_rows = [i for i, p in enumerate(pending) if len(p) > CATCH_UP_TOKENS]
+        if long_rows:
+            ahead = [pending[i][:-1] for i in long_rows]
+            self._feed(ahead, [slots[i] for i in long_rows], [starts[i] for i in long_rows], "none")
+            tails = [p[-1:] if len(p) > CATCH_UP_TOKENS else p for p in pending]
+            starts = [st + len(p) - len(t) for st, p, t in zip(starts, pending, tails)]
+            pending = tails
+        logits = self._feed(pending, slots, starts, "all")  # [B, T, V]
+        B = len(pending)
+        last_idx = to_device([len(p) - 1 for p in pending], device)
+        return logits[torch.arange(B, device=device), last_idx].unsqueeze(1)
+
+    def _feed(self, rows: list[list[int]], slots: list[int], starts: list[int], logits_for: str) -> torch.Tensor | None:
+        """One forward pass over ``rows``, right-padded: a row's padding is written past its last
+        token, where later steps write before anything attends to it."""
+        width = max(len(r) for r in rows)
+        inp = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            inp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        device = self.model.device
         layout = self.cache.layout(slots, starts, width, device)
-        if not split:
-            logits = self.model.forward(to_device(inp, device), self.cache, layout, "all")
-            last_idx = to_device([len(p) - 1 for p in pending], device)
-            return logits[torch.arange(B, device=device), last_idx].unsqueeze(1)
-        # A row's padding is written past its last token, which the step below rewrites; positions
-        # after it are rewritten by later steps before anything attends to them.
-        self.model.forward(to_device(inp, device), self.cache, layout, "none")
-        last = to_device([[p[-1]] for p in pending], device)
-        layout = self.cache.layout(slots, [st + len(p) - 1 for st, p in zip(starts, pending)], 1, device)
-        return self.model.forward(last, self.cache, layout, "all")
+        return self.model.forward(to_device(inp, device), self.cache, layout, logits_for)
 
     def _propose(
         self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False

@@ -146,28 +146,33 @@ def test_model_drafter_counts_the_tokens_it_catches_up(micro_pair) -> None:
 
 
 def test_model_drafter_after_a_long_catch_up_guesses_as_if_fed_from_the_start(micro_pair) -> None:
-    """A row back after rounds without the draft (its backlog fed without logits, its last token in
-    a step of its own: ModelDrafter._catch_up), batched with a row that needs one token, gets the
-    guesses and draft probabilities of a drafter that prefilled the same tokens (float32)."""
+    """Rows back after rounds without the draft (their backlogs fed without logits in a pass of
+    their own, their last tokens with the other rows': ModelDrafter._catch_up), two of different
+    lengths batched with a row that needs one token, get the guesses and draft probabilities of a
+    drafter that prefilled the same tokens (float32)."""
     from specd.services.engine.drafters import DraftRow, ModelDrafter
     from specd.services.engine.model import load_model
 
     model = load_model(str(micro_pair[1]), torch.float32, "cpu")
-    sampled = BatchSampling.from_params([SamplingParams(1.0, seed=1), SamplingParams(1.0, seed=2)], "cpu")
-    tokens = {"s": [3, 7, 5, 9, 2], "t": [4, 4, 6, 1]}
-    back = ModelDrafter(model, 2, 64)
+    seeds = {"s": 1, "t": 2, "u": 3}
+    sampled = BatchSampling.from_params([SamplingParams(1.0, seed=x) for x in seeds.values()], "cpu")
+    tokens = {"s": [3, 7, 5, 9, 2], "t": [4, 4, 6, 1], "u": [2, 8, 8]}
+    back = ModelDrafter(model, 3, 64)
     for sid, ids in tokens.items():
         back.add(sid, ids)
     back.prefill(64)
-    back.propose([DraftRow("s", tokens["s"], 2, False, seed=1), DraftRow("t", tokens["t"], 2, False, seed=2)], sampled)
-    back.accepted("s", 0)
-    back.accepted("t", 0)
+    back.propose([DraftRow(sid, tokens[sid], 2, False, seed=seeds[sid]) for sid in tokens], sampled)
+    for sid in tokens:
+        back.accepted(sid, 0)
     tokens["s"] = tokens["s"] + [8, 1, 3, 5, 6, 2, 7, 9, 4, 1]  # ten rounds it sat out
     tokens["t"] = tokens["t"] + [5]
-    rows = [DraftRow("s", tokens["s"], 3, False, seed=1), DraftRow("t", tokens["t"], 3, False, seed=2)]
-    assert back.unseen("s", len(tokens["s"])) > CATCH_UP_TOKENS  # the long path is the one tested
+    tokens["u"] = tokens["u"] + [6, 6, 1, 3]  # four
+    rows = [DraftRow(sid, tokens[sid], 3, False, seed=seeds[sid]) for sid in tokens]
+    unseen = {sid: back.unseen(sid, len(ids)) for sid, ids in tokens.items()}
+    # The paths tested: two long backlogs of different lengths, and a row with the usual catch-up.
+    assert unseen["s"] > unseen["u"] > CATCH_UP_TOKENS >= unseen["t"]
     got = back.propose(rows, sampled)
-    fresh = ModelDrafter(model, 2, 64)
+    fresh = ModelDrafter(model, 3, 64)
     for sid, ids in tokens.items():
         fresh.add(sid, ids)
     fresh.prefill(64)
