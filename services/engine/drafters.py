@@ -398,29 +398,23 @@ class ModelDrafter:
         ms without), padding the short rows to the long one's length more than doubled what was
         left (one row of 48 beside three of 1-2: 3.6 ms, 1.6 ms without), and the controller prices
         a row's return to the draft by what catch-ups cost."""
-        device = self.model.device
         long_rows = [i for i, p in enumerate(pending) if len(p) > CATCH_UP_TOKENS]
         if long_rows:
-            ahead = [pending[i][:-1] for i in long_rows]
-            self._feed(ahead, [slots[i] for i in long_rows], [starts[i] for i in long_rows], "none")
+            # A prefill pass: no logits, and its padding lands past each row's last token, where
+            # the step below and the guesses write before anything attends to it.
+            prefill_pass(self.model, self.cache, [PrefillRow(slots[i], starts[i], pending[i][:-1]) for i in long_rows])
             tails = [p[-1:] if len(p) > CATCH_UP_TOKENS else p for p in pending]
             starts = [st + len(p) - len(t) for st, p, t in zip(starts, pending, tails)]
             pending = tails
-        logits = self._feed(pending, slots, starts, "all")  # [B, T, V]
-        B = len(pending)
+        device = self.model.device
+        B, M = len(pending), max(len(p) for p in pending)
+        inp = torch.zeros((B, M), dtype=torch.long)
+        for i, p in enumerate(pending):
+            inp[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        layout = self.cache.layout(slots, starts, M, device)
+        logits = self.model.forward(to_device(inp, device), self.cache, layout, "all")  # [B, M, V]
         last_idx = to_device([len(p) - 1 for p in pending], device)
         return logits[torch.arange(B, device=device), last_idx].unsqueeze(1)
-
-    def _feed(self, rows: list[list[int]], slots: list[int], starts: list[int], logits_for: str) -> torch.Tensor | None:
-        """One forward pass over ``rows``, right-padded: a row's padding is written past its last
-        token, where later steps write before anything attends to it."""
-        width = max(len(r) for r in rows)
-        inp = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            inp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        device = self.model.device
-        layout = self.cache.layout(slots, starts, width, device)
-        return self.model.forward(to_device(inp, device), self.cache, layout, logits_for)
 
     def _propose(
         self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False
