@@ -42,9 +42,9 @@ def test_rows_are_bit_identical_whatever_the_batch(op, n: int, k: int) -> None:
     same bits. 136 = 8 * 16 + 8 exercises the scalar tail; 203 weight rows, and 1536's tiles of
     84 rows split over the threads, leave weight rows that block_halves hands to the one-row block.
     float32 activations (as the fused forward passes them), so that the result is compared in
-    every bit, not after a rounding to bf16. On a CPU with AVX-512 a single row runs its own
-    512-bit kernel (bf16_row_avx512), so there m = 1 and the row alone check it against the AVX2
-    blocks."""
+    every bit, not after a rounding to bf16. On a CPU with AVX-512 decoding's blocks run in 512-bit
+    registers (bf16_block_avx512) and block_halves in AVX2, so there the batches of up to 7 rows
+    check the one against the other."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()

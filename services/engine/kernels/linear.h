@@ -229,18 +229,22 @@ template <typename C>
 constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 2>, block<C, 2, 2>, block<C, 3, 2>,
                                               block<C, 4, 1>, block<C, 5, 1>, block<C, 6, 1>, block<C, 7, 1>};
 
-// One input row against bf16 weights on AVX-512 (where the CPU has it, see has_avx512bw): the same
-// arithmetic as block<Bf16Rows, 1, NR>, lane for lane, so the same bits. A 512-bit accumulator holds
-// that block's a0 in its low half and a1 in its high half; one masked word permute widens 16 weights
-// straight into the permuted order both halves expect (x is permuted as for the AVX2 block), and
-// one FMA does the work of the two. Measured on a 2-core Intel VM with AVX-512 (2026-12-05): bf16
-// target-only decoding of the 1.5B model 3% faster than block<Bf16Rows, 1, 2> (six interleaved pairs of
-// runs, every pair), fewer instructions per weight letting the core keep more loads in flight.
+// Decoding's blocks (up to kMaxRows input rows) against bf16 weights on AVX-512 (where the CPU has
+// it, see has_avx512bw): the same arithmetic as block<Bf16Rows, R, NR>, lane for lane, so the same
+// bits. A 512-bit accumulator holds that block's a0 in its low half and a1 in its high half; one
+// masked word permute widens 16 weights straight into the permuted order both halves expect (x is
+// permuted as for the AVX2 block), and one FMA per input row does the work of the two, with one x
+// load instead of two. With 32 registers every block takes two weight rows at a time. Measured on a
+// 2-core Intel VM with AVX-512 (2026-12-05), `specd generate`, runs alternated with the AVX2 blocks:
+// bf16 target-only decoding of the 1.5B model 3% faster (one-row blocks only, six pairs, faster in
+// every pair), the real pair at draft k = 4 (verifying 5 rows) 15.3 against 14.4 tok/s (four pairs),
+// the demo pair 4% faster target-only and 11% at draft k = 4 (four pairs): fewer instructions per
+// weight let the core keep more loads in flight.
 #define SPECD_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
-template <int NR>
-SPECD_AVX512 void bf16_row_avx512(const float* x, const Bf16Rows& c, const float* bias, float* out, int64_t ldo,
-                                  int64_t n0, int64_t n1) {
+template <int R, int NR>
+SPECD_AVX512 void bf16_block_avx512(const float* x, const Bf16Rows& c, const float* bias, float* out, int64_t ldo,
+                                    int64_t n0, int64_t n1) {
   const int64_t K = c.K, K16 = K - K % 16;
   // Word 2i + 1 of the result takes the weight of lane i (a0's lanes [0-3, 8-11], then a1's [4-7, 12-15]);
   // the even words are zeroed by the mask, so each 32-bit lane holds its weight widened to fp32.
@@ -250,30 +254,40 @@ SPECD_AVX512 void bf16_row_avx512(const float* x, const Bf16Rows& c, const float
   constexpr __mmask32 kOdd = 0xAAAAAAAAu;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    __m512 acc[NR];
+    __m512 acc[NR][R];
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K16; k += 16) {
       if (k % Bf16Rows::kWeightsPerLine == 0)
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
-      const __m512 xv = _mm512_loadu_ps(x + k);
+      __m512 xv[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         const __m256i v = _mm256_loadu_si256(static_cast<const __m256i*>(c.at(n + j, k)));
         const __m512 w = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(kOdd, index, _mm512_castsi256_si512(v)));
-        acc[j] = _mm512_fmadd_ps(w, xv, acc[j]);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(w, xv[r], acc[j][r]);
       }
     }
-    __m256 a0[NR][1], a1[NR][1];
-    for (int j = 0; j < NR; ++j) {
-      a0[j][0] = _mm512_castps512_ps256(acc[j]);
-      a1[j][0] = _mm512_extractf32x8_ps(acc[j], 1);
-    }
-    finish_outputs<Bf16Rows, 1, NR>(a0, a1, x, c, bias, out, ldo, n);
+    __m256 a0[NR][R], a1[NR][R];
+    for (int j = 0; j < NR; ++j)
+      for (int r = 0; r < R; ++r) {
+        a0[j][r] = _mm512_castps512_ps256(acc[j][r]);
+        a1[j][r] = _mm512_extractf32x8_ps(acc[j][r], 1);
+      }
+    finish_outputs<Bf16Rows, R, NR>(a0, a1, x, c, bias, out, ldo, n);
   }
-  if (n < n1) block<Bf16Rows, 1, 1>(x, c, bias, out, ldo, n, n1);  // the odd row: same arithmetic per row
+  if (n < n1) block<Bf16Rows, R, 1>(x, c, bias, out, ldo, n, n1);  // the odd row: same arithmetic per row
 }
+
+constexpr BlockFn<Bf16Rows> kBlocksAvx512[kMaxRows + 1] = {
+    nullptr,                     bf16_block_avx512<1, 2>, bf16_block_avx512<2, 2>, bf16_block_avx512<3, 2>,
+    bf16_block_avx512<4, 2>,     bf16_block_avx512<5, 2>, bf16_block_avx512<6, 2>, bf16_block_avx512<7, 2>};
 
 inline bool has_avx512bw() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -321,12 +335,10 @@ void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* 
           block_halves<C, kHalvesRows, kHalvesWeightRows>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
       for (; m0 < M; m0 += kMaxRows) {
         const int64_t R = std::min(kMaxRows, M - m0);
+        BlockFn<C> fn = kBlocks<C>[R];
         if constexpr (std::is_same_v<C, Bf16Rows>)
-          if (R == 1 && has_avx512bw()) {
-            bf16_row_avx512<2>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
-            continue;
-          }
-        kBlocks<C>[R](x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
+          if (has_avx512bw()) fn = kBlocksAvx512[R];
+        fn(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
       }
     }
   });
