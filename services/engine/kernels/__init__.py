@@ -4,13 +4,15 @@
 bf16 activations over bf16, int8 or int4 weights: no per-op dispatch, and batch invariant end to
 end, attention included (:class:`specd.services.engine.llama.LlamaLM` uses it where it applies).
 
-``bf16_linear``: bf16-weight linear layers on AVX2 CPUs without oneDNN's bf16 support (AMD Zen 1-3,
-Intel before AVX-512). Measured on a 2-core Zen 3 at batch 1 (``specd bench --pair``), torch's own
+``bf16_linear``: bf16-weight linear layers on AVX2 CPUs, written for those without oneDNN's bf16
+support (AMD Zen 1-3, Intel before AVX-512) and used on any with AVX2, where the fused decoder's
+batch invariance needs it. Measured on a 2-core Zen 3 at batch 1 (``specd bench --pair``), torch's own
 bf16 matmul there streams weights at about half the machine's read bandwidth and costs k+1 times as
 much to verify k+1 tokens as to decode one, which leaves speculation nothing to win. The kernel
 (``linear.h``, ops in ``linear_ops.cpp``) streams each weight row once per block of up to 7 rows, with a software
 prefetch 4 KB ahead of its loads, and is batch
-invariant, so verification is exact against one-token decoding.
+invariant, so verification is exact against one-token decoding. Where the CPU has AVX-512, decoding's
+blocks (up to 7 rows) run the same arithmetic in 512-bit registers, bit for bit the AVX2 blocks'.
 
 ``f32_linear``: the same kernel over fp32 weights, for float32 models on the CPU (the exact mode of
 the identity tests). torch's fp32 matmul is MKL's sgemm, which on AMD CPUs streams weights at a
