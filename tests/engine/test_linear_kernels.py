@@ -3,6 +3,11 @@ result is bit-identical whatever else is in the batch), which exact speculation 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -42,9 +47,8 @@ def test_rows_are_bit_identical_whatever_the_batch(op, n: int, k: int) -> None:
     same bits. 136 = 8 * 16 + 8 exercises the scalar tail; 203 weight rows, and 1536's tiles of
     84 rows split over the threads, leave weight rows that block_halves hands to the one-row block.
     float32 activations (as the fused forward passes them), so that the result is compared in
-    every bit, not after a rounding to bf16. On a CPU with AVX-512 decoding's blocks run in 512-bit
-    registers (bf16_block_avx512) and block_halves in AVX2, so there the batches of up to 7 rows
-    check the one against the other."""
+    every bit, not after a rounding to bf16. On a CPU with AVX-512 the blocks run in 512-bit
+    registers instead; the next test compares those with the AVX2 ones."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
@@ -55,6 +59,44 @@ def test_rows_are_bit_identical_whatever_the_batch(op, n: int, k: int) -> None:
     assert torch.equal(op(x[17:18], w, b), whole[17:18])  # a row alone equals it inside a block
     shuffled = torch.randperm(40, generator=g)
     assert torch.equal(op(x[shuffled], w, b), whole[shuffled])
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+
+
+_AVX2_RUN = """
+import sys, torch
+from specd.services.engine.kernels import bf16_linear
+op = bf16_linear()
+w, b, xs = torch.load(sys.argv[1])
+torch.save([op(x, w, b) for x in xs], sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not _cpu_has_avx512(), reason="no AVX-512 here: only the AVX2 blocks run")
+@pytest.mark.parametrize(("n", "k"), [(203, 136), (300, 1536)])
+def test_avx512_blocks_give_the_avx2_blocks_bits(op, tmp_path: Path, n: int, k: int) -> None:
+    """The 512-bit blocks (decoding's 1-7 rows, prefill's 4 x 4) against the AVX2 ones (block, and
+    block_halves from 8 rows, 20 where K < 1024), bit for bit: the AVX2 side runs in a process of
+    its own with SPECD_AVX512=0 (the choice is made once per process). 203 weight rows leave odd
+    rows for the one-row blocks; 136 exercises the scalar tail."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    xs = [torch.randn(m, k, generator=g) for m in (1, 2, 3, 5, 7, 8, 13, 20, 41)]
+    torch.save((w, b, xs), tmp_path / "in.pt")
+    env = {**os.environ, "SPECD_AVX512": "0"}
+    subprocess.run(
+        [sys.executable, "-c", _AVX2_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True
+    )
+    avx2 = torch.load(tmp_path / "out.pt")
+    for x, want in zip(xs, avx2):
+        assert torch.equal(op(x, w, b), want), f"{x.shape[0]} rows"
 
 
 def test_leading_dimensions_and_float32_inputs(op) -> None:
