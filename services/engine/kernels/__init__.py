@@ -11,8 +11,9 @@ bf16 matmul there streams weights at about half the machine's read bandwidth and
 much to verify k+1 tokens as to decode one, which leaves speculation nothing to win. The kernel
 (``linear.h``, ops in ``linear_ops.cpp``) streams each weight row once per block of up to 7 rows, with a software
 prefetch 4 KB ahead of its loads, and is batch
-invariant, so verification is exact against one-token decoding. Where the CPU has AVX-512, decoding's
-blocks (up to 7 rows) run the same arithmetic in 512-bit registers, bit for bit the AVX2 blocks'.
+invariant, so verification is exact against one-token decoding. Where the CPU has AVX-512, its
+blocks run the same arithmetic in 512-bit registers, bit for bit the AVX2 blocks' (``SPECD_AVX512=0``
+keeps the AVX2 ones).
 
 ``f32_linear``: the same kernel over fp32 weights, for float32 models on the CPU (the exact mode of
 the identity tests). torch's fp32 matmul is MKL's sgemm, which on AMD CPUs streams weights at a

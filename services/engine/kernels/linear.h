@@ -1,5 +1,5 @@
 // Linear layers y = x W^T + b over raw pointers, for bf16, fp32, weight-only int8 and int4 weights on AVX2
-// CPUs (bf16 decoding's blocks in 512-bit registers where the CPU has AVX-512, bit for bit the same),
+// CPUs (bf16's blocks in 512-bit registers where the CPU has AVX-512, bit for bit the same),
 // shared by the torch ops (linear_ops.cpp) and the fused decoder forward (decoder.cpp).
 //
 // Decoding reads every weight once per step, so each kernel is built around that stream: a weight row
