@@ -231,12 +231,13 @@ template <typename C>
 constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 2>, block<C, 2, 2>, block<C, 3, 2>,
                                               block<C, 4, 1>, block<C, 5, 1>, block<C, 6, 1>, block<C, 7, 1>};
 
-// Decoding's blocks (up to kMaxRows input rows) against bf16 weights on AVX-512 (where the CPU has
-// it, see has_avx512bw): the same arithmetic as block<Bf16Rows, R, NR>, lane for lane, so the same
+// R input rows against bf16 weights on AVX-512 (where the CPU has it, see has_avx512bw; decoding's
+// blocks of up to kMaxRows rows, and prefill's of kPrefillRows512): the same arithmetic as
+// block<Bf16Rows, R, NR> (and block_halves, which is bit-identical to it), lane for lane, so the same
 // bits. A 512-bit accumulator holds that block's a0 in its low half and a1 in its high half; one
 // masked word permute widens 16 weights straight into the permuted order both halves expect (x is
 // permuted as for the AVX2 block), and one FMA per input row does the work of the two, with one x
-// load instead of two. With 32 registers every block takes two weight rows at a time. Measured on a
+// load instead of two. With 32 registers decoding's blocks take two weight rows at a time. Measured on a
 // 2-core Intel VM with AVX-512 (2026-12-05), `specd generate`, runs alternated with the AVX2 blocks:
 // bf16 target-only decoding of the 1.5B model 3% faster (one-row blocks only, six pairs, faster in
 // every pair), the real pair at draft k = 4 (verifying 5 rows) 15.3 against 14.4 tok/s (four pairs),
