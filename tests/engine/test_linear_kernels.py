@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specd.services.engine.kernels import _cpu_has_avx2_fma, bf16_linear
+from specd.services.engine.kernels import _cpu_has_avx2_fma, _cpu_has_avx512, bf16_linear
 
 pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="needs an x86 CPU with AVX2 and FMA")
 
@@ -59,14 +59,6 @@ def test_rows_are_bit_identical_whatever_the_batch(op, n: int, k: int) -> None:
     assert torch.equal(op(x[17:18], w, b), whole[17:18])  # a row alone equals it inside a block
     shuffled = torch.randperm(40, generator=g)
     assert torch.equal(op(x[shuffled], w, b), whole[shuffled])
-
-
-def _cpu_has_avx512() -> bool:
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
 
 
 _AVX2_RUN = """

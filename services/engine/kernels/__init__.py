@@ -62,13 +62,22 @@ FUSED_SWITCH = "SPECD_FUSED"
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_has(*features: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of ``features`` (False where it cannot be read)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    words = set(flags.split())
-    return {"avx2", "fma", "f16c"} <= words
+    return set(features) <= set(flags.split())
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return _cpu_has("avx2", "fma", "f16c")
+
+
+def _cpu_has_avx512() -> bool:
+    """The features of the 512-bit bf16 blocks (linear.h: use_avx512)."""
+    return _cpu_has("avx512f", "avx512bw", "avx512dq", "avx512vl")
 
 
 def _build_dir() -> Path:

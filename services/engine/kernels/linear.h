@@ -231,7 +231,7 @@ template <typename C>
 constexpr BlockFn<C> kBlocks[kMaxRows + 1] = {nullptr,          block<C, 1, 2>, block<C, 2, 2>, block<C, 3, 2>,
                                               block<C, 4, 1>, block<C, 5, 1>, block<C, 6, 1>, block<C, 7, 1>};
 
-// R input rows against bf16 weights on AVX-512 (where the CPU has it, see has_avx512bw; decoding's
+// R input rows against bf16 weights on AVX-512 (where the CPU has it, see use_avx512; decoding's
 // blocks of up to kMaxRows rows, and prefill's of kPrefillRows512): the same arithmetic as
 // block<Bf16Rows, R, NR> (and block_halves, which is bit-identical to it), lane for lane, so the same
 // bits. A 512-bit accumulator holds that block's a0 in its low half and a1 in its high half; one
@@ -301,7 +301,7 @@ constexpr int64_t kPrefillRows512 = 4, kPrefillWeightRows512 = 4;
 
 // Whether this CPU runs the 512-bit blocks; SPECD_AVX512=0 keeps the AVX2 ones (for A/B runs, and for
 // the test that compares the two bit for bit).
-inline bool has_avx512bw() {
+inline bool use_avx512() {
   static const bool yes = [] {
     const char* env = std::getenv("SPECD_AVX512");
     if (env != nullptr && std::string(env) == "0") return false;
@@ -347,7 +347,7 @@ void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* 
       const int64_t t1 = std::min(n1, t0 + tile);
       int64_t m0 = 0;
       if constexpr (std::is_same_v<C, Bf16Rows>)
-        if (has_avx512bw() && M >= halves_min_rows(K))  // block_halves' job, 4 x 4 in 512-bit registers
+        if (use_avx512() && M >= halves_min_rows(K))  // block_halves' job, 4 x 4 in 512-bit registers
           for (; m0 + kPrefillRows512 <= M; m0 += kPrefillRows512)
             bf16_block_avx512<kPrefillRows512, kPrefillWeightRows512>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
       if (M >= halves_min_rows(K))
@@ -357,7 +357,7 @@ void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* 
         const int64_t R = std::min(kMaxRows, M - m0);
         BlockFn<C> fn = kBlocks<C>[R];
         if constexpr (std::is_same_v<C, Bf16Rows>)
-          if (has_avx512bw()) fn = kBlocksAvx512[R];
+          if (use_avx512()) fn = kBlocksAvx512[R];
         fn(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
       }
     }
