@@ -635,8 +635,18 @@ def _add_tls_args(p: argparse.ArgumentParser, client_of: str | None) -> None:
         )
 
 
+class _ExactOptionParser(argparse.ArgumentParser):
+    """An argument parser that takes options only by their whole names: with argparse's default
+    prefix matching, `specd generate --k 4` was read as `--kv-cache-memory 4` (a 4-byte KV budget)
+    instead of failing. Subcommand parsers are built with the same class."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specd", description="speculative-decoding LLM server")
+    parser = _ExactOptionParser(prog="specd", description="speculative-decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text in-process (engine only)")

@@ -286,3 +286,21 @@ def test_bench_paired_refuses_what_it_cannot_compare() -> None:
     with pytest.raises(ValueError, match="one --temperatures value"):
         _one_temperature("0,0.8")
     assert _one_temperature(None) == 0.0 and _one_temperature("0.8") == 0.8
+
+
+def test_options_are_taken_only_by_their_whole_names(tiny_pair) -> None:
+    """`--k 4` is not an option of `generate`: it fails with a usage error instead of being read as a
+    prefix of `--kv-cache-memory` (which it was, a 4-byte KV budget and 8 tokens out of 256)."""
+    import pytest
+
+    from specd.services.cli import build_parser
+
+    target, draft = tiny_pair
+    r = _specd("generate", "--target", target, "--draft", draft, "--prompt", "x", "--k", "4", timeout=120)
+    assert r.returncode == 2
+    assert "unrecognized arguments: --k" in r.stderr
+    parser = build_parser()
+    for argv in (["serve", "--max-batch", "8"], ["ray", "up", "--draft-rep", "2"], ["models", "fetch", "demo", "--j"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    assert parser.parse_args(["serve", "--max-batch-size", "8"]).max_batch_size == 8
