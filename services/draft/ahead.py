@@ -11,11 +11,13 @@ Between rounds the draft guesses the likeliest of these outcomes and drafts the 
 - the main line: all accepted, with the draft's own best bonus token (its step runs first, in the
   sequence's own cache, feeding ``dk``);
 - a rejection at position ``j``, replaced by the draft's runner-up token there (a slot of its own
-  that shares the cache blocks of the common prefix: ModelDrafter.fork);
+  that shares the cache blocks of the common prefix: ModelDrafter.fork), and then by its third
+  likeliest token;
 - all accepted with the draft's second-best bonus token.
 
 How many branches each sequence gets (its *width*, in that order of likelihood: main, rejection at
-1, second bonus, rejection at 2, ...) is set per stream by :class:`AheadPolicy` from whether the
+1, second bonus, rejection at 2, ..., rejection at k; then the rejections with the third likeliest
+token at 1, ..., k) is set per stream by :class:`AheadPolicy` from whether the
 prepared work finished before the target's next round; with no spare time at all it switches
 drafting ahead off for a while.
 
@@ -47,14 +49,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.services.engine.drafters import ModelDrafter
+from specd.services.engine.drafters import ALTERNATIVES, ModelDrafter, other_than
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import to_sparse, truncate_probs
 from specd.services.engine.transfer import to_device
 
 # Most branches per sequence: the main line, the second bonus token, and rejections at positions
-# 1..6 (past those a rejection is rarely the outcome).
-MAX_WIDTH = 8
+# 1..6 (past those a rejection is rarely the outcome), each with ALTERNATIVES replacement tokens.
+MAX_WIDTH = 2 + 6 * ALTERNATIVES
 START_WIDTH = 2
 # Rounds in a row that arrive before a single prepared step is useful (<= 1 step done) before
 # drafting ahead pauses, and how many rounds the pause lasts before it tries again.
@@ -73,7 +75,7 @@ class Branch:
     tokens: list[int] = field(default_factory=list)
     sparse_ids: list[np.ndarray] = field(default_factory=list)  # per guess, sampled rows: the q it was drawn from
     sparse_probs: list[np.ndarray] = field(default_factory=list)
-    alternatives: list[int] = field(default_factory=list)  # per guess, the runner-up token
+    alternatives: list[list[int]] = field(default_factory=list)  # per guess, its likeliest replacements
     offered: bool = False  # sent to the target (offering plans), once complete
 
 
@@ -97,7 +99,7 @@ class SeqPlan:
     key: str
     base: int  # committed length the served block was drafted on
     block: tuple[int, ...]  # the served block d1..dk
-    alternatives: tuple[int, ...]  # the runner-up token at each of its positions
+    alternatives: tuple[tuple[int, ...], ...]  # per position of the block, its likeliest replacements
     params: SamplingParams
     seed: int  # the next round's seed (sampled rows)
     want: int  # guesses per branch (the k of the round just served)
@@ -230,7 +232,7 @@ class AheadLane:
         key: str,
         base: int,
         block: list[int],
-        alternatives: list[int],
+        alternatives: list[list[int]],
         params: SamplingParams,
         seed: int,
         offer: bool = False,
@@ -247,7 +249,8 @@ class AheadLane:
             # Exactly the uniforms a fresh block of the next round draws (one generator per row,
             # seeded by the round's seed; a longer draw starts with the shorter one).
             u = uniforms((self.max_k,), [seed], 1, "cpu")[0]
-        self.plans[key] = SeqPlan(key, base, tuple(block), tuple(alternatives), params, seed, k, width, u, offer)
+        alts = tuple(tuple(a) for a in alternatives)
+        self.plans[key] = SeqPlan(key, base, tuple(block), alts, params, seed, k, width, u, offer)
 
     def drop(self, key: str) -> None:
         """Forget a sequence's prepared work (released, re-opened, out of sync)."""
@@ -352,13 +355,13 @@ class AheadLane:
             u = to_device(torch.stack([rows[i][0].u[len(rows[i][1].tokens)] for i in sampled]), device)
             tokens[idx] = sample_from(q, u)
             ids, probs = (t.cpu().numpy() for t in to_sparse(q, self.support))
-        top2 = logits.topk(2, dim=-1).indices  # [R, 2]: the bonus branches' tokens, and each guess's runner-up
-        alts = torch.where(top2[:, 0] == tokens, top2[:, 1], top2[:, 0])  # as runner_up, one top-k fewer
-        host_tokens, host_alts, host_top2 = tokens.tolist(), alts.tolist(), top2.tolist()  # one sync
+        top = logits.topk(ALTERNATIVES + 1, dim=-1).indices  # [R, A + 1]: the bonus branches' tokens
+        alts = other_than(top, tokens)  # [R, A]: each guess's likeliest replacements, as runner_ups
+        host_tokens, host_alts, host_top = tokens.tolist(), alts.tolist(), top.tolist()  # one sync
         where = {i: n for n, i in enumerate(sampled)}
         for i, (p, b) in enumerate(rows):
             if b is None:
-                self._branch_on_bonus(p, host_top2[i])
+                self._branch_on_bonus(p, host_top[i])
                 continue
             b.tokens.append(host_tokens[i])
             b.alternatives.append(host_alts[i])
@@ -370,8 +373,11 @@ class AheadLane:
         return True
 
     def _order(self, p: SeqPlan) -> list[str]:
-        """Branch names in order of likelihood, cut to the plan's width: "main", "bonus2", "reject<j>"."""
-        names = ["main", "reject1", "bonus2"] + [f"reject{j}" for j in range(2, len(p.block) + 1)]
+        """Branch names in order of likelihood, cut to the plan's width: "main", "bonus2", and
+        "reject<j>.<a>" (rejected at position j, replaced by the a-th likeliest other token)."""
+        k = len(p.block)
+        names = ["main", "reject1.1", "bonus2"] + [f"reject{j}.1" for j in range(2, k + 1)]
+        names += [f"reject{j}.{a}" for a in range(2, ALTERNATIVES + 1) for j in range(1, k + 1)]
         return names[: p.width]
 
     def _fork_rejections(self, p: SeqPlan) -> None:
@@ -379,21 +385,22 @@ class AheadLane:
         for name in self._order(p):
             if not name.startswith("reject"):
                 continue
-            j = int(name[len("reject") :])
+            j, a = (int(n) for n in name[len("reject") :].split("."))
             length = p.base + j - 1  # the cache holds x d1..d(j-1)
-            b = self._fork(p, name, length, p.block[: j - 1] + (p.alternatives[j - 1],))
+            b = self._fork(p, name, length, p.block[: j - 1] + (p.alternatives[j - 1][a - 1],))
             if b is None:
                 return
 
-    def _branch_on_bonus(self, p: SeqPlan, top2: list[int]) -> None:
-        """The main line's bonus step ran: branch on the draft's two likeliest bonus tokens."""
+    def _branch_on_bonus(self, p: SeqPlan, top: list[int]) -> None:
+        """The main line's bonus step ran: branch on the draft's two likeliest bonus tokens (``top``:
+        its likeliest tokens there, likeliest first)."""
         p.probing = False
         end = p.base + len(p.block)  # the cache now holds x d1..dk
         names = self._order(p)
         if "main" in names:
-            p.branches.insert(0, Branch(p.key, p.block + (top2[0],), end, top2[0]))
+            p.branches.insert(0, Branch(p.key, p.block + (top[0],), end, top[0]))
         if "bonus2" in names:
-            self._fork(p, "bonus2", end, p.block + (top2[1],))
+            self._fork(p, "bonus2", end, p.block + (top[1],))
 
     def _fork(self, p: SeqPlan, name: str, length: int, suffix: tuple[int, ...]) -> Branch | None:
         holder = f"{p.key}#{name}"

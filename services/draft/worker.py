@@ -62,7 +62,8 @@ class BlockOut:
     # "fresh", "prepared" (drafted ahead, complete), "continued" (finished this round) or "offered"
     # (drafted ahead, sent before the round and taken by the target)
     source: str = "fresh"
-    alternatives: list[int] = field(default_factory=list)  # per guess its runner-up (when drafting ahead)
+    # per guess its likeliest replacements, likeliest first (when drafting ahead)
+    alternatives: list[list[int]] = field(default_factory=list)
     prefilling: bool = False  # no guesses: the draft has not prefilled the context yet (not a failed guess)
 
 

@@ -47,8 +47,9 @@ class Proposal:
     token_ids: torch.Tensor  # [B, K] long
     # [B, K, V] float32, the same sparse (a remote draft's, as it came), or None for point-mass guesses
     probs: torch.Tensor | SparseProbs | None
-    # [B, K] long: per position the draft's best token other than its guess (the likeliest
-    # replacement if the target rejects it), when asked for; a draft service prepares for it.
+    # [B, K, ALTERNATIVES] long: per position the draft's likeliest tokens other than its guess,
+    # likeliest first (the likeliest replacements if the target rejects it), when asked for; a draft
+    # service drafting ahead prepares for them.
     alternatives: torch.Tensor | None = None
     # Committed tokens the drafter fed this round beyond each row's usual CATCH_UP_TOKENS (rows
     # catching up after rounds they sat out): auto's cost model prices them apart from the guesses
@@ -98,10 +99,27 @@ class Drafter(Protocol):
         """Release what the drafter holds outside this process (streams, channels); idempotent."""
 
 
-def runner_up(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """Per row of ``logits`` [B, V], the likeliest token other than ``chosen`` [B]."""
-    top2 = logits.topk(2, dim=-1).indices  # [B, 2]
-    return torch.where(top2[:, 0] == chosen, top2[:, 1], top2[:, 0])
+# Replacement tokens a proposal names per guess (Proposal.alternatives). Two, not one: on the demo
+# pair's greedy code, the target's token at a rejection was the draft's second likeliest in 78% of
+# rounds at k = 3 (with the all-accepted rounds' two likeliest bonus tokens) and its second or third
+# in 88% (ranks of the target's tokens under the draft, rounds replayed from its greedy output).
+ALTERNATIVES = 2
+
+
+def other_than(top: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``top`` [B, n + 1] (each row's likeliest tokens, likeliest first) without ``chosen`` [B]: [B, n],
+    in the same order; where chosen is not among them, the last one goes instead."""
+    n = top.shape[-1] - 1
+    keep = top != chosen[:, None]
+    last = torch.arange(n + 1, device=top.device) == n
+    keep &= ~(keep.all(dim=-1, keepdim=True) & last)
+    return top[keep].view(-1, n)
+
+
+def runner_ups(logits: torch.Tensor, chosen: torch.Tensor, n: int = ALTERNATIVES) -> torch.Tensor:
+    """Per row of ``logits`` [B, V], the ``n`` likeliest tokens other than ``chosen`` [B], likeliest
+    first: [B, n]."""
+    return other_than(logits.topk(n + 1, dim=-1).indices, chosen)
 
 
 def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
@@ -364,7 +382,7 @@ class ModelDrafter:
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None, alternatives: bool = False) -> Proposal:
         """``sampling``: the rows' settings (None when every row is greedy); ``alternatives``: also return
-        each guess's runner-up (Proposal.alternatives)."""
+        each guess's likeliest replacements (Proposal.alternatives)."""
         # A row whose blocks for this proposal cannot be had (the pool is full) gets no guesses.
         # Every row writes guesses up to the widest block.
         K = max(r.k for r in rows)
@@ -383,7 +401,7 @@ class ModelDrafter:
             probs = torch.zeros((len(rows), width, part.probs.shape[-1]), device=self.model.device)
             probs[idx] = part.probs
         if part.alternatives is not None:
-            alts = torch.full((len(rows), width), -1, dtype=torch.long, device=self.model.device)
+            alts = torch.full((len(rows), width, ALTERNATIVES), -1, dtype=torch.long, device=self.model.device)
             alts[idx] = part.alternatives
         return Proposal(token_ids[:, :width], probs, alts, part.caught_up)
 
@@ -449,7 +467,7 @@ class ModelDrafter:
                 tok = logits[:, 0].argmax(-1)
             tokens.append(tok)
             if alternatives:
-                alts.append(runner_up(logits[:, 0], tok))
+                alts.append(runner_ups(logits[:, 0], tok))
             if j + 1 < K:
                 positions = [len(r.tokens) + j for r in rows]
                 layout = self.cache.layout(slots, positions, 1, device)

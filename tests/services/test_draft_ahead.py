@@ -20,6 +20,7 @@ from specd.services.draft.ahead import MAX_WIDTH, PAUSE_ROUNDS, STARVED_ROUNDS, 
 from specd.services.draft.server import DraftServerConfig, build_worker
 from specd.services.draft.worker import BlockError, DraftWorker, OpenSeq, ProposeReq
 from specd.services.engine.builder import load_tokenizer
+from specd.services.engine.drafters import ALTERNATIVES, other_than
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.kv_cache import PagedKVCache
 from specd.services.engine.model import load_model
@@ -69,14 +70,17 @@ def test_every_prepared_block_is_the_block_a_fresh_draft_makes(tiny_pair, temper
         w.drafter.prefill(64)
     (first,) = w.propose("s", [ProposeReq("x", 0, [], len(prompt), k, seed1, seed2)], ahead=True)
     assert len(first.token_ids) == k and len(first.alternatives) == k
+    assert all(len(a) == ALTERNATIVES and first.token_ids[j] not in a for j, a in enumerate(first.alternatives))
     lane = w.lanes["s"]
     lane.policy.width = MAX_WIDTH
     lane.plans[key].width = MAX_WIDTH
     while w.ahead_step("s"):
         pass
     plan = lane.plans[key]
-    # Main line, second bonus token, a rejection at every position: k + 2 outcomes prepared.
-    assert len(plan.branches) == k + 2
+    # Main line, second bonus token, a rejection at every position with each replacement token:
+    # k * ALTERNATIVES + 2 outcomes prepared, no two alike.
+    assert len(plan.branches) == k * ALTERNATIVES + 2
+    assert len({br.suffix for br in plan.branches}) == len(plan.branches)
     vocab = w.vocab
     other = _worker(draft_dir)
     for br in plan.branches:
@@ -120,7 +124,7 @@ def test_offers_are_the_prepared_branches_and_a_taken_offer_is_served_as_offered
     while w.ahead_step("s"):
         offers += w.take_offers("s")
     plan = lane.plans[key]
-    assert len(offers) == len(plan.branches) == k + 2
+    assert len(offers) == len(plan.branches) == k * ALTERNATIVES + 2
     by_outcome = {o.assumed: o for o in offers}
     for br in plan.branches:
         o = by_outcome[br.suffix]
@@ -205,7 +209,9 @@ def test_releasing_frees_every_branch_and_shared_block(tiny_pair) -> None:
         pass
     assert len(w.drafter.seqs) > 3
     assert w.release("s", "x0")
-    assert len(w.drafter.seqs) == 2 * 6  # the two others and their five branches each
+    # The two others, each its own slot (the main line) plus a fork per other branch: the second
+    # bonus token and every rejection with each replacement.
+    assert len(w.drafter.seqs) == 2 * (2 + 4 * ALTERNATIVES)
     assert w.release_stream("s") == 2
     assert not w.drafter.seqs and w.drafter.cache.free_blocks == free and w.drafter.free_slots == 64
 
@@ -447,3 +453,11 @@ def test_a_sequence_served_from_a_prepared_branch_leaves_its_answer_cached_under
     assert cached("other-tenant", "u") == (0, fresh)
     assert cached("next-turn", "t") == (2 * block, fresh)  # the cached K/V guess as computed ones do
     assert not w.drafter.seqs and w.drafter.cache.free_blocks == w.drafter.cache.num_blocks
+
+
+def test_replacements_are_the_likeliest_tokens_other_than_the_guess() -> None:
+    """other_than drops the guess from the likeliest tokens, in order; a sampled guess outside them
+    (an unlikely draw) drops the last instead, so every row names the same number."""
+    top = torch.tensor([[7, 3, 9], [7, 3, 9], [7, 3, 9], [7, 3, 9]])
+    chosen = torch.tensor([7, 3, 9, 5])
+    assert other_than(top, chosen).tolist() == [[3, 9], [7, 9], [7, 3], [7, 3]]
