@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specd.services.engine.kernels import _cpu_has_avx2_fma, _cpu_has_avx512, bf16_linear
+from specd.services.engine.kernels import _cpu_has_avx2_fma, _cpu_has_avx512, _cpu_has_avx512_vnni, bf16_linear
 
 pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="needs an x86 CPU with AVX2 and FMA")
 
@@ -90,6 +90,40 @@ def test_avx512_blocks_give_the_avx2_blocks_bits(op, tmp_path: Path, n: int, k: 
     avx2 = torch.load(tmp_path / "out.pt")
     for x, want in zip(xs, avx2):
         assert torch.equal(op(x, w, b), want), f"{x.shape[0]} rows"
+
+
+_AVX2_INT4_RUN = """
+import sys, torch
+from specd.services.engine.kernels import int4_linear
+op = int4_linear()
+packed, b, xs = torch.load(sys.argv[1])
+torch.save([op(x, packed, b) for x in xs], sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not _cpu_has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 int4 blocks run")
+@pytest.mark.skipif(os.environ.get("SPECD_AVX512") == "0", reason="SPECD_AVX512=0: both sides would run AVX2")
+@pytest.mark.parametrize("k", [256, 608, 1536])
+def test_avx512_int4_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) -> None:
+    """The int4 blocks in 512-bit registers (q4_block_avx512) against the AVX2 ones, bit for bit, 1-8
+    rows and more (37 weight rows), the AVX2 side in a process of its own with SPECD_AVX512=0. 608
+    (two whole super-blocks and a short one) keeps the AVX2 blocks; 256 and 1536 (one and six) do not."""
+    from specd.services.engine.kernels import int4_linear
+    from specd.services.engine.llama import quantize_int4
+
+    op = int4_linear()
+    g = torch.Generator().manual_seed(6)
+    (packed,) = quantize_int4(torch.randn(37, k, generator=g).bfloat16())
+    b = torch.randn(37, generator=g).bfloat16()
+    xs = [torch.randn(m, k, generator=g) * 3 for m in (1, 2, 3, 5, 8, 9, 17)]
+    torch.save((packed, b, xs), tmp_path / "in.pt")
+    env = {**os.environ, "SPECD_AVX512": "0"}
+    subprocess.run(
+        [sys.executable, "-c", _AVX2_INT4_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True
+    )
+    avx2 = torch.load(tmp_path / "out.pt")
+    for x, want in zip(xs, avx2):
+        assert torch.equal(op(x, packed, b), want), f"{x.shape[0]} rows"
 
 
 def test_leading_dimensions_and_float32_inputs(op) -> None:

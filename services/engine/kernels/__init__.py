@@ -80,6 +80,11 @@ def _cpu_has_avx512() -> bool:
     return _cpu_has("avx512f", "avx512bw", "avx512dq", "avx512vl")
 
 
+def _cpu_has_avx512_vnni() -> bool:
+    """The features of the 512-bit int4 super-blocks (linear.h: use_avx512_vnni)."""
+    return _cpu_has_avx512() and _cpu_has("avx512_vnni")
+
+
 def _build_dir() -> Path:
     from specd.services.model_store.fetch import cache_root
 

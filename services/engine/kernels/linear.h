@@ -398,6 +398,9 @@ struct Q8Rows {  // activations [M, K] -> int8 [M, K], a scale per super-block [
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<int16_t> sums;
+  // q with each super-block's groups in the order 0, 2, 1, 3, 4, 6, 5, 7 (q4_block_avx512's loads);
+  // empty where the AVX2 blocks run.
+  std::vector<int8_t> q_pairs;
 };
 
 // 32 floats times inv, rounded to the nearest integer (ties to even, as nearbyint in the default mode),
@@ -571,16 +574,126 @@ constexpr Q4BlockFn kQ4Blocks[kMaxRowsQ4 + 1] = {nullptr,        q4_block<1, SPE
                                                  q4_block<3, 1>, q4_block<4, 1>,            q4_block<5, 1>,
                                                  q4_block<6, 1>, q4_block<7, 1>,            q4_block<8, 1>};
 
+// q4_block on AVX-512 with VNNI, for rows of whole super-blocks (K a multiple of 256; see
+// use_avx512_vnni): the same int32 sums lane for lane and the same float work after them, so the
+// same bits. One 64-byte load of nibbles holds two of q4_block's pairs of groups (g, g + 1 and g + 2,
+// g + 3): its low half is q4_block's vector for the first pair, its high half the one for the
+// second, and the activations come pair ordered (Q8Rows::q_pairs) so that one load meets each half
+// with its groups' x. Per input row one vpdpwssd does madd's multiply by the group scale and the
+// add into the running sum. Each 32-bit lane sums exactly the products the AVX2 lane sums (integers,
+// so the order inside does not matter), and the two halves are added once per super-block.
+#define SPECD_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+template <int R, int NR>
+SPECD_AVX512_VNNI void q4_block_avx512(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias, float* out,
+                                       int64_t K, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t G = K / 32, S = K / kQ4Super, row_bytes = int4_row_bytes(K);
+  const int8_t* xpairs = xq.q_pairs.data() + m0 * K;
+  const float* xs = xq.scale.data() + m0 * S;
+  const int16_t* xsum = xq.sums.data() + m0 * G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // smask[q][h]: the scale of group 4q + h in the low half, of group 4q + 2 + h in the high half.
+  __m512i smask[2][2];
+  for (int q = 0; q < 2; ++q)
+    for (int h = 0; h < 2; ++h)
+      smask[q][h] = _mm512_inserti64x4(_mm512_castsi256_si512(word_broadcast_mask(4 * q + h)),
+                                       word_broadcast_mask(4 * q + 2 + h), 1);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    const uint8_t *nib[NR], *sc[NR], *mn[NR];
+    const uint16_t* dd[NR];
+    __m256 acc[NR][R];
+    __m128 accm[NR][R];
+    for (int j = 0; j < NR; ++j) {
+      nib[j] = w + (n + j) * row_bytes;
+      sc[j] = nib[j] + K / 2;
+      mn[j] = sc[j] + G;
+      dd[j] = reinterpret_cast<const uint16_t*>(mn[j] + G);
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps(), accm[j][r] = _mm_setzero_ps();
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t g0 = s * 8;
+      __m512i sc16[NR], isum[NR][R];
+      for (int j = 0; j < NR; ++j) {
+        sc16[j] =
+            _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc[j] + g0))));
+        for (int r = 0; r < R; ++r) isum[j][r] = _mm512_setzero_si512();
+      }
+      for (int q = 0; q < 2; ++q) {
+        for (int j = 0; j < NR; ++j) prefetch_ahead(nib[j] + (g0 + 4 * q) * 16);
+        for (int j = 0; j < NR; ++j) {
+          const __m512i v = _mm512_loadu_si512(nib[j] + (g0 + 4 * q) * 16);
+          const __m512i wa = _mm512_and_si512(v, low4), wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          const __m512i sa = _mm512_shuffle_epi8(sc16[j], smask[q][0]);
+          const __m512i sb = _mm512_shuffle_epi8(sc16[j], smask[q][1]);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xpairs + r * K + (g0 + 4 * q) * 32;
+            const __m512i pa = _mm512_maddubs_epi16(wa, _mm512_loadu_si512(xr));
+            const __m512i pb = _mm512_maddubs_epi16(wb, _mm512_loadu_si512(xr + 64));
+            isum[j][r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[j][r], pa, sa), pb, sb);
+          }
+        }
+      }
+      for (int j = 0; j < NR; ++j) {  // q4_block's float work
+        const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[j] + g0)));
+        const float d = half_to_float(dd[j][s]), dmin = half_to_float(dd[j][S + s]);
+        for (int r = 0; r < R; ++r) {
+          const __m256i i32 =
+              _mm256_add_epi32(_mm512_castsi512_si256(isum[j][r]), _mm512_extracti64x4_epi64(isum[j][r], 1));
+          const float dx = xs[r * S + s];
+          const __m128i xs16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xsum + r * G + g0));
+          accm[j][r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, xs16)), _mm_set1_ps(dmin * dx), accm[j][r]);
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_set1_ps(d * dx), acc[j][r]);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j)  // q4_block's ending
+      for (int r = 0; r < R; ++r) {
+        const __m128 t = _mm_add_ps(accm[j][r], _mm_movehl_ps(accm[j][r], accm[j][r]));
+        const float y = hsum(acc[j][r]) - _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        out[r * ldo + n + j] = bias ? y + bias[n + j] : y;
+      }
+  }
+  if (n < n1) q4_block_avx512<R, 1>(xq, m0, w, bias, out, K, ldo, n, n1);
+}
+
+constexpr Q4BlockFn kQ4BlocksAvx512[kMaxRowsQ4 + 1] = {
+    nullptr,                  q4_block_avx512<1, 1>, q4_block_avx512<2, 1>, q4_block_avx512<3, 1>, q4_block_avx512<4, 1>,
+    q4_block_avx512<5, 1>,    q4_block_avx512<6, 1>, q4_block_avx512<7, 1>, q4_block_avx512<8, 1>};
+
+// Whether the int4 blocks run in 512-bit registers (q4_block_avx512, for rows of whole super-blocks);
+// SPECD_AVX512=0 keeps the AVX2 ones here too.
+inline bool use_avx512_vnni() {
+  static const bool yes = use_avx512() && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// Q8Rows::q_pairs of xq (rows of K; a shorter last super-block, if any, keeps its order).
+inline void pair_order_q8(Q8Rows& xq, int64_t M, int64_t K) {
+  static constexpr int kOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+  const int64_t S_full = K / 32 / 8;
+  xq.q_pairs = xq.q;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t s = 0; s < S_full; ++s)
+      for (int i = 0; i < 8; ++i)
+        std::memcpy(xq.q_pairs.data() + m * K + s * kQ4Super + i * 32, xq.q.data() + m * K + s * kQ4Super + kOrder[i] * 32,
+                    32);
+}
+
 inline void int4_rows(const float* x, int64_t M, const uint8_t* packed, int64_t N, int64_t K, const float* bias,
                       float* out, int64_t ldo) {
-  const Q8Rows xq = quantize_rows_q8(x, M, K);
+  Q8Rows xq = quantize_rows_q8(x, M, K);
+  const bool wide = use_avx512_vnni() && K % kQ4Super == 0;
+  if (wide) pair_order_q8(xq, M, K);
+  const Q4BlockFn* blocks = wide ? kQ4BlocksAvx512 : kQ4Blocks;
   const int64_t tile = std::max<int64_t>(4, (256 * 1024) / int4_row_bytes(K));
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
       const int64_t t1 = std::min(n1, t0 + tile);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
         const int64_t R = std::min(kMaxRowsQ4, M - m0);
-        kQ4Blocks[R](xq, m0, packed, bias, out + m0 * ldo, K, ldo, t0, t1);
+        blocks[R](xq, m0, packed, bias, out + m0 * ldo, K, ldo, t0, t1);
       }
     }
   });
