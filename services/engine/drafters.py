@@ -103,6 +103,8 @@ class Drafter(Protocol):
 # pair's greedy code, the target's token at a rejection was the draft's second likeliest in 78% of
 # rounds at k = 3 (with the all-accepted rounds' two likeliest bonus tokens) and its second or third
 # in 88% (ranks of the target's tokens under the draft, rounds replayed from its greedy output).
+# Three prepared 87% of rounds in the serve benchmark but finished too late to be offered in half
+# of them (docs/benchmarks.md, drafting ahead).
 ALTERNATIVES = 2
 
 
