@@ -126,41 +126,6 @@ def test_avx512_int4_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) ->
         assert torch.equal(op(x, packed, b), want), f"{x.shape[0]} rows"
 
 
-_AVX2_INT8_RUN = """
-import sys, torch
-from specd.services.engine.kernels import int8_linear
-op = int8_linear()
-q, scale, b, xs = torch.load(sys.argv[1])
-torch.save([op(x, q, scale, b) for x in xs], sys.argv[2])
-"""
-
-
-@pytest.mark.skipif(not _cpu_has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 int8 blocks run")
-@pytest.mark.skipif(os.environ.get("SPECD_AVX512") == "0", reason="SPECD_AVX512=0: both sides would run AVX2")
-@pytest.mark.parametrize("k", [136, 224, 896, 1536])
-def test_avx512_int8_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) -> None:
-    """The int8 blocks in 512-bit registers (q8_block_avx512) against the AVX2 ones, bit for bit, 1-8
-    rows and more (37 weight rows: the one-row block's odd row), the AVX2 side in a process of its
-    own with SPECD_AVX512=0. 136 ends in a scalar tail, 224 in a lone 32 of a super-block, 896 in a
-    short super-block."""
-    from specd.services.engine.kernels import int8_linear
-    from specd.services.engine.llama import quantize_int8
-
-    op = int8_linear()
-    g = torch.Generator().manual_seed(7)
-    q, scale = quantize_int8(torch.randn(37, k, generator=g).bfloat16())
-    b = torch.randn(37, generator=g).bfloat16()
-    xs = [torch.randn(m, k, generator=g) * 3 for m in (1, 2, 3, 5, 8, 9, 17)]
-    torch.save((q, scale, b, xs), tmp_path / "in.pt")
-    env = {**os.environ, "SPECD_AVX512": "0"}
-    subprocess.run(
-        [sys.executable, "-c", _AVX2_INT8_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True
-    )
-    avx2 = torch.load(tmp_path / "out.pt")
-    for x, want in zip(xs, avx2):
-        assert torch.equal(op(x, q, scale, b), want), f"{x.shape[0]} rows"
-
-
 def test_leading_dimensions_and_float32_inputs(op) -> None:
     w = torch.randn(24, 32).bfloat16()
     x = torch.randn(2, 3, 32).bfloat16()

@@ -30,8 +30,8 @@ and for targets the user chose to quantize (``--quantize int8``).
 
 ``int4_linear``: weight-only int4 in groups of 32 (fp16 scale and min), multiplied in integers
 against activations quantized per row to int8 (``--quantize int4``, ``--draft-quantize int4``).
-Where the CPU has AVX-512 VNNI, its rows of whole 256-weight super-blocks, and every int8 block,
-run in 512-bit registers, bit for bit the AVX2 blocks' (``SPECD_AVX512=0`` again keeps the AVX2 ones).
+Where the CPU has AVX-512 VNNI, rows of whole 256-weight super-blocks run in 512-bit registers, bit
+for bit the AVX2 blocks' (``SPECD_AVX512=0`` again keeps the AVX2 ones).
 
 Built with ``torch.utils.cpp_extension`` into ``$SPECD_CACHE/torch_extensions`` (about 30 s once,
 then loaded in milliseconds). If the build fails, or the CPU lacks AVX2/FMA, the callers keep
