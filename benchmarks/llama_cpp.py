@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
@@ -129,12 +129,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerCrashed(RuntimeError):
+    """llama-server was killed by a signal before it was healthy."""
+
+
+NO_REPACK = "--no-repack"
+
+
 class LlamaServer:
     """A ``llama-server`` process for the duration of a ``with`` block.
 
     Entering starts it in its own process group and waits until ``/health`` answers 200 (model
     loaded); leaving stops the whole group, SIGTERM then SIGKILL, whatever happened in the block.
     Its output goes to a log file (``log_path``), quoted in the error if it fails to start.
+
+    A server killed by a signal while loading is started once more with weight repacking off
+    (``repack_off`` then says so): build 11434 died with SIGSEGV loading Q4_K_M files with it on a
+    2-core Intel Xeon VM with AVX-512 and AMX, and loaded them without it.
     """
 
     def __init__(self, config: ServerConfig, binary: Path | None = None, startup_timeout: float = 300.0) -> None:
@@ -146,6 +157,7 @@ class LlamaServer:
         self.startup_timeout = startup_timeout
         self.port = 0
         self.log_path: Path | None = None
+        self.repack_off = NO_REPACK in config.extra_args
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -153,6 +165,22 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LlamaServer:
+        try:
+            self._start()
+        except ServerCrashed as crash:
+            if self.repack_off:
+                raise
+            print(
+                f"llama-server crashed while loading ({crash.args[0].splitlines()[0]}); again with {NO_REPACK}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.config = replace(self.config, extra_args=(*self.config.extra_args, NO_REPACK))
+            self.repack_off = True
+            self._start()
+        return self
+
+    def _start(self) -> None:
         self.port = _free_port()
         fd, log = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         self.log_path = Path(log)
@@ -172,7 +200,6 @@ class LlamaServer:
         except BaseException:
             self.stop()
             raise
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -184,7 +211,9 @@ class LlamaServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self._proc.returncode}:\n{self.log_tail()}")
+                code = self._proc.returncode
+                error = ServerCrashed if code < 0 else RuntimeError
+                raise error(f"llama-server exited with {code}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:

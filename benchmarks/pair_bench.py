@@ -354,6 +354,8 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
                 for name, (model_file, draft_file, n_max) in llama.configs.items():
                     sc = ServerConfig(model_file, draft_file, threads=cfg.llama_threads, draft_max=max(n_max, 1))
                     with LlamaServer(sc, llama.binary) as srv:
+                        if srv.repack_off and "repacking off" not in llama.note:
+                            llama.note = f"{llama.note or 'built'}; weight repacking off (it crashed loading with it)"
                         run_llama(srv, prompts[:1], cfg, Run("warm", "", "", t))  # first request pays set-up
                         run_llama(srv, prompts, cfg, get("llama.cpp", name, category, t, n_max))
             print(f"pass {rep + 1}/{passes}: {category} T={t} done", flush=True)
