@@ -63,11 +63,21 @@ def test_rows_are_bit_identical_whatever_the_batch(op, n: int, k: int) -> None:
 
 _AVX2_RUN = """
 import sys, torch
-from specd.services.engine.kernels import bf16_linear
-op = bf16_linear()
-w, b, xs = torch.load(sys.argv[1])
-torch.save([op(x, w, b) for x in xs], sys.argv[2])
+from specd.services.engine import kernels
+op = getattr(kernels, sys.argv[1])()
+weights, xs = torch.load(sys.argv[2])
+torch.save([op(x, *weights) for x in xs], sys.argv[3])
 """
+
+
+def _on_avx2(op_name: str, weights: tuple, xs: list[torch.Tensor], tmp_path: Path) -> list[torch.Tensor]:
+    """``kernels.<op_name>()(x, *weights)`` for each x, in a process of its own with SPECD_AVX512=0
+    (the choice of blocks is made once per process), so on the AVX2 blocks."""
+    torch.save((weights, xs), tmp_path / "in.pt")
+    env = {**os.environ, "SPECD_AVX512": "0"}
+    script = [sys.executable, "-c", _AVX2_RUN, op_name, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    subprocess.run(script, env=env, check=True)
+    return torch.load(tmp_path / "out.pt")
 
 
 @pytest.mark.skipif(not _cpu_has_avx512(), reason="no AVX-512 here: only the AVX2 blocks run")
@@ -75,30 +85,14 @@ torch.save([op(x, w, b) for x in xs], sys.argv[2])
 @pytest.mark.parametrize(("n", "k"), [(203, 136), (300, 1536)])
 def test_avx512_blocks_give_the_avx2_blocks_bits(op, tmp_path: Path, n: int, k: int) -> None:
     """The 512-bit blocks (decoding's 1-7 rows, prefill's 4 x 4) against the AVX2 ones (block, and
-    block_halves from 8 rows, 20 where K < 1024), bit for bit: the AVX2 side runs in a process of
-    its own with SPECD_AVX512=0 (the choice is made once per process). 203 weight rows leave odd
-    rows for the one-row blocks; 136 exercises the scalar tail."""
+    block_halves from 8 rows, 20 where K < 1024), bit for bit. 203 weight rows leave odd rows for
+    the one-row blocks; 136 exercises the scalar tail."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     xs = [torch.randn(m, k, generator=g) for m in (1, 2, 3, 5, 7, 8, 13, 20, 41)]
-    torch.save((w, b, xs), tmp_path / "in.pt")
-    env = {**os.environ, "SPECD_AVX512": "0"}
-    subprocess.run(
-        [sys.executable, "-c", _AVX2_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True
-    )
-    avx2 = torch.load(tmp_path / "out.pt")
-    for x, want in zip(xs, avx2):
+    for x, want in zip(xs, _on_avx2("bf16_linear", (w, b), xs, tmp_path)):
         assert torch.equal(op(x, w, b), want), f"{x.shape[0]} rows"
-
-
-_AVX2_INT4_RUN = """
-import sys, torch
-from specd.services.engine.kernels import int4_linear
-op = int4_linear()
-packed, b, xs = torch.load(sys.argv[1])
-torch.save([op(x, packed, b) for x in xs], sys.argv[2])
-"""
 
 
 @pytest.mark.skipif(not _cpu_has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 int4 blocks run")
@@ -106,8 +100,8 @@ torch.save([op(x, packed, b) for x in xs], sys.argv[2])
 @pytest.mark.parametrize("k", [256, 608, 1536])
 def test_avx512_int4_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) -> None:
     """The int4 blocks in 512-bit registers (q4_block_avx512) against the AVX2 ones, bit for bit, 1-8
-    rows and more (37 weight rows), the AVX2 side in a process of its own with SPECD_AVX512=0. 608
-    (two whole super-blocks and a short one) keeps the AVX2 blocks; 256 and 1536 (one and six) do not."""
+    rows and more (37 weight rows). 608 (two whole super-blocks and a short one) keeps the AVX2
+    blocks; 256 and 1536 (one and six) do not."""
     from specd.services.engine.kernels import int4_linear
     from specd.services.engine.llama import quantize_int4
 
@@ -116,13 +110,7 @@ def test_avx512_int4_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) ->
     (packed,) = quantize_int4(torch.randn(37, k, generator=g).bfloat16())
     b = torch.randn(37, generator=g).bfloat16()
     xs = [torch.randn(m, k, generator=g) * 3 for m in (1, 2, 3, 5, 8, 9, 17)]
-    torch.save((packed, b, xs), tmp_path / "in.pt")
-    env = {**os.environ, "SPECD_AVX512": "0"}
-    subprocess.run(
-        [sys.executable, "-c", _AVX2_INT4_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env, check=True
-    )
-    avx2 = torch.load(tmp_path / "out.pt")
-    for x, want in zip(xs, avx2):
+    for x, want in zip(xs, _on_avx2("int4_linear", (packed, b), xs, tmp_path)):
         assert torch.equal(op(x, packed, b), want), f"{x.shape[0]} rows"
 
 
