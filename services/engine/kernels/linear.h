@@ -450,13 +450,53 @@ inline __m256i word_broadcast_mask(int g) {
   return _mm256_set1_epi16(static_cast<int16_t>((2 * g) | ((2 * g + 1) << 8)));
 }
 
+// One int4 record (a weight row of K): K / 2 bytes of nibbles, G = K / 32 bytes of sc and G of m,
+// then per super-block its fp16 d (dd[s]) and, after all of them, its fp16 dmin (dd[S + s]).
+struct Q4Record {
+  const uint8_t* nib;
+  const uint8_t* sc;
+  const uint8_t* mn;
+  const uint16_t* dd;
+};
+
+inline Q4Record q4_record(const uint8_t* w, int64_t n, int64_t K) {
+  const uint8_t* nib = w + n * int4_row_bytes(K);
+  const uint8_t* sc = nib + K / 2;
+  const uint8_t* mn = sc + K / 32;
+  return {nib, sc, mn, reinterpret_cast<const uint16_t*>(mn + K / 32)};
+}
+
+// Super-block s (all 8 groups) of one weight row for R input rows, once its int32 sums isum[r] are
+// done: acc[r] += isum * d * d_x, accm[r] += (m . group sums of x_q) * dmin * d_x. Every int4 block
+// ends a full super-block with this, so they all give the same bits.
+template <int R>
+inline void q4_scale_superblock(const Q4Record& rec, int64_t s, int64_t S, int64_t G, const float* xs,
+                                const int16_t* xsum, const __m256i* isum, __m256* acc, __m128* accm) {
+  const int64_t g0 = s * 8;
+  const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec.mn + g0)));
+  const float d = half_to_float(rec.dd[s]), dmin = half_to_float(rec.dd[S + s]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const float dx = xs[r * S + s];
+    const __m128i xs16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xsum + r * G + g0));
+    accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, xs16)), _mm_set1_ps(dmin * dx), accm[r]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+  }
+}
+
+// The sum of accm's 4 lanes, in the order every int4 block uses.
+inline float q4_min_total(__m128 accm) {
+  const __m128 t = _mm_add_ps(accm, _mm_movehl_ps(accm, accm));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
 // Input rows [0, R) (of Q8Rows xq from row m0) against weight rows [n0, n1), NR weight rows interleaved
 // (independent work for the out-of-order core when R is small; each row's arithmetic is unchanged);
 // out has row stride ldo.
 template <int R, int NR>
 void q4_block(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias, float* out, int64_t K, int64_t ldo,
               int64_t n0, int64_t n1) {
-  const int64_t G = K / 32, S = (K + kQ4Super - 1) / kQ4Super, row_bytes = int4_row_bytes(K);
+  const int64_t G = K / 32, S = (K + kQ4Super - 1) / kQ4Super;
   const int64_t S_full = G / 8;  // super-blocks of all 8 groups; a shorter last one takes the general path
   const int8_t* xqp = xq.q.data() + m0 * K;
   const float* xs = xq.scale.data() + m0 * S;
@@ -482,17 +522,11 @@ void q4_block(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias,
   };
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    const uint8_t* nib[NR];
-    const uint8_t* sc[NR];
-    const uint8_t* mn[NR];
-    const uint16_t* dd[NR];
+    Q4Record rec[NR];
     __m256 acc[NR][R];
     __m128 accm[NR][R];  // the min terms, 4 lanes
     for (int j = 0; j < NR; ++j) {
-      nib[j] = w + (n + j) * row_bytes;
-      sc[j] = nib[j] + K / 2;
-      mn[j] = sc[j] + G;
-      dd[j] = reinterpret_cast<const uint16_t*>(mn[j] + G);
+      rec[j] = q4_record(w, n + j, K);
       for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps(), accm[j][r] = _mm_setzero_ps();
     }
     for (int64_t s = 0; s < S_full; ++s) {
@@ -500,44 +534,31 @@ void q4_block(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias,
       __m256i sc16[NR], isum[NR][R];
       for (int j = 0; j < NR; ++j) {
         sc16[j] = _mm256_broadcastsi128_si256(
-            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc[j] + g0))));
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[j].sc + g0))));
         for (int r = 0; r < R; ++r) isum[j][r] = _mm256_setzero_si256();
       }
       for (int gi = 0; gi < 8; gi += 2) {
         if (gi % 4 == 0)  // 64 bytes of nibbles per row every two pairs of groups
-          for (int j = 0; j < NR; ++j) prefetch_ahead(nib[j] + (g0 + gi) * 16);
-        for (int j = 0; j < NR; ++j) pair(nib[j], g0 + gi, gi, sc16[j], isum[j]);
+          for (int j = 0; j < NR; ++j) prefetch_ahead(rec[j].nib + (g0 + gi) * 16);
+        for (int j = 0; j < NR; ++j) pair(rec[j].nib, g0 + gi, gi, sc16[j], isum[j]);
       }
-      for (int j = 0; j < NR; ++j) {
-        const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[j] + g0)));
-        const float d = half_to_float(dd[j][s]), dmin = half_to_float(dd[j][S + s]);
-        for (int r = 0; r < R; ++r) {
-          const float dx = xs[r * S + s];
-          const __m128i xs16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xsum + r * G + g0));
-          accm[j][r] =
-              _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, xs16)), _mm_set1_ps(dmin * dx), accm[j][r]);
-          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][r]), _mm256_set1_ps(d * dx), acc[j][r]);
-        }
-      }
+      for (int j = 0; j < NR; ++j) q4_scale_superblock<R>(rec[j], s, S, G, xs, xsum, isum[j], acc[j], accm[j]);
     }
     for (int j = 0; j < NR; ++j) {
       float mins[R];
-      for (int r = 0; r < R; ++r) {
-        const __m128 t = _mm_add_ps(accm[j][r], _mm_movehl_ps(accm[j][r], accm[j][r]));
-        mins[r] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-      }
+      for (int r = 0; r < R; ++r) mins[r] = q4_min_total(accm[j][r]);
       if (S_full < S) {  // the last, shorter super-block
         const int64_t s = S_full, g0 = s * 8;
         alignas(16) uint8_t sc_last[16] = {0};
-        std::memcpy(sc_last, sc[j] + g0, G - g0);
+        std::memcpy(sc_last, rec[j].sc + g0, G - g0);
         const __m256i sc16 = _mm256_broadcastsi128_si256(
             _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc_last))));
         __m256i isum[R];
         for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
         int64_t g = g0;
-        for (; g + 2 <= G; g += 2) pair(nib[j], g, static_cast<int>(g - g0), sc16, isum);
+        for (; g + 2 <= G; g += 2) pair(rec[j].nib, g, static_cast<int>(g - g0), sc16, isum);
         if (g < G) {  // an odd last group: 16 bytes, low nibbles its weights 0-15, high 16-31
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib[j] + g * 16));
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[j].nib + g * 16));
           const __m128i l4 = _mm256_castsi256_si128(low4);
           const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), l4), _mm_and_si128(b, l4));
           const __m256i sv = _mm256_shuffle_epi8(sc16, bmask[g - g0]);
@@ -546,10 +567,10 @@ void q4_block(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias,
             isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), sv));
           }
         }
-        const float d = half_to_float(dd[j][s]), dmin = half_to_float(dd[j][S + s]);
+        const float d = half_to_float(rec[j].dd[s]), dmin = half_to_float(rec[j].dd[S + s]);
         for (int r = 0; r < R; ++r) {
           int32_t msum = 0;
-          for (int64_t h = g0; h < G; ++h) msum += static_cast<int32_t>(mn[j][h]) * xsum[r * G + h];
+          for (int64_t h = g0; h < G; ++h) msum += static_cast<int32_t>(rec[j].mn[h]) * xsum[r * G + h];
           const float dx = xs[r * S + s];
           acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[j][r]);
           mins[r] += dmin * dx * static_cast<float>(msum);
@@ -587,7 +608,7 @@ constexpr Q4BlockFn kQ4Blocks[kMaxRowsQ4 + 1] = {nullptr,        q4_block<1, SPE
 template <int R, int NR>
 SPECD_AVX512_VNNI void q4_block_avx512(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias, float* out,
                                        int64_t K, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t G = K / 32, S = K / kQ4Super, row_bytes = int4_row_bytes(K);
+  const int64_t G = K / 32, S = K / kQ4Super;
   const int8_t* xpairs = xq.q_pairs.data() + m0 * K;
   const float* xs = xq.scale.data() + m0 * S;
   const int16_t* xsum = xq.sums.data() + m0 * G;
@@ -600,15 +621,11 @@ SPECD_AVX512_VNNI void q4_block_avx512(const Q8Rows& xq, int64_t m0, const uint8
                                        word_broadcast_mask(4 * q + 2 + h), 1);
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    const uint8_t *nib[NR], *sc[NR], *mn[NR];
-    const uint16_t* dd[NR];
+    Q4Record rec[NR];
     __m256 acc[NR][R];
     __m128 accm[NR][R];
     for (int j = 0; j < NR; ++j) {
-      nib[j] = w + (n + j) * row_bytes;
-      sc[j] = nib[j] + K / 2;
-      mn[j] = sc[j] + G;
-      dd[j] = reinterpret_cast<const uint16_t*>(mn[j] + G);
+      rec[j] = q4_record(w, n + j, K);
       for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps(), accm[j][r] = _mm_setzero_ps();
     }
     for (int64_t s = 0; s < S; ++s) {
@@ -616,13 +633,13 @@ SPECD_AVX512_VNNI void q4_block_avx512(const Q8Rows& xq, int64_t m0, const uint8
       __m512i sc16[NR], isum[NR][R];
       for (int j = 0; j < NR; ++j) {
         sc16[j] =
-            _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc[j] + g0))));
+            _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec[j].sc + g0))));
         for (int r = 0; r < R; ++r) isum[j][r] = _mm512_setzero_si512();
       }
       for (int q = 0; q < 2; ++q) {
-        for (int j = 0; j < NR; ++j) prefetch_ahead(nib[j] + (g0 + 4 * q) * 16);
+        for (int j = 0; j < NR; ++j) prefetch_ahead(rec[j].nib + (g0 + 4 * q) * 16);
         for (int j = 0; j < NR; ++j) {
-          const __m512i v = _mm512_loadu_si512(nib[j] + (g0 + 4 * q) * 16);
+          const __m512i v = _mm512_loadu_si512(rec[j].nib + (g0 + 4 * q) * 16);
           const __m512i wa = _mm512_and_si512(v, low4), wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           const __m512i sa = _mm512_shuffle_epi8(sc16[j], smask[q][0]);
           const __m512i sb = _mm512_shuffle_epi8(sc16[j], smask[q][1]);
@@ -635,23 +652,16 @@ SPECD_AVX512_VNNI void q4_block_avx512(const Q8Rows& xq, int64_t m0, const uint8
           }
         }
       }
-      for (int j = 0; j < NR; ++j) {  // q4_block's float work
-        const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn[j] + g0)));
-        const float d = half_to_float(dd[j][s]), dmin = half_to_float(dd[j][S + s]);
-        for (int r = 0; r < R; ++r) {
-          const __m256i i32 =
-              _mm256_add_epi32(_mm512_castsi512_si256(isum[j][r]), _mm512_extracti64x4_epi64(isum[j][r], 1));
-          const float dx = xs[r * S + s];
-          const __m128i xs16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xsum + r * G + g0));
-          accm[j][r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, xs16)), _mm_set1_ps(dmin * dx), accm[j][r]);
-          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_set1_ps(d * dx), acc[j][r]);
-        }
+      for (int j = 0; j < NR; ++j) {
+        __m256i i32[R];  // the two halves' sums: q4_block's 8 lanes
+        for (int r = 0; r < R; ++r)
+          i32[r] = _mm256_add_epi32(_mm512_castsi512_si256(isum[j][r]), _mm512_extracti64x4_epi64(isum[j][r], 1));
+        q4_scale_superblock<R>(rec[j], s, S, G, xs, xsum, i32, acc[j], accm[j]);
       }
     }
     for (int j = 0; j < NR; ++j)  // q4_block's ending
       for (int r = 0; r < R; ++r) {
-        const __m128 t = _mm_add_ps(accm[j][r], _mm_movehl_ps(accm[j][r], accm[j][r]));
-        const float y = hsum(acc[j][r]) - _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        const float y = hsum(acc[j][r]) - q4_min_total(accm[j][r]);
         out[r * ldo + n + j] = bias ? y + bias[n + j] : y;
       }
   }
