@@ -114,6 +114,46 @@ def test_avx512_int4_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) ->
         assert torch.equal(op(x, packed, b), want), f"{x.shape[0]} rows"
 
 
+def _amx_op():
+    from specd.services.engine.kernels import amx_usable
+
+    return torch.ops.specd_kernels.amx_bf16_linear if amx_usable() else None
+
+
+@pytest.mark.skipif(_amx_op() is None, reason="no AMX tile unit here (or SPECD_AMX=0)")
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (1376, 512), (96, 1536)])
+def test_amx_tiles_are_as_close_as_fp32_accumulation_and_batch_invariant(n: int, k: int) -> None:
+    """The AMX kernel (x split into two bf16 terms): every output within 1e-5 of the sum of its terms'
+    sizes of an fp64 reference (x taken as bf16 alone would be ~1e-3 off), and each row's bits the
+    same alone, in any batch, across the 16-row tiles (37 rows: two whole tiles and 5 rows), and in
+    any order."""
+    op = _amx_op()
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    x = torch.randn(37, k, generator=g) * 3
+    whole = op(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    scale = x.double().abs() @ w.double().abs().T
+    assert float(((whole.double() - ref).abs() / scale).max()) < 1e-5
+    for m in (1, 2, 5, 16, 17, 33):
+        assert torch.equal(op(x[:m], w, b), whole[:m]), f"{m} rows"
+    assert torch.equal(op(x[20:21], w, b), whole[20:21])
+    shuffled = torch.randperm(37, generator=g)
+    assert torch.equal(op(x[shuffled], w, b), whole[shuffled])
+    assert torch.equal(op(x, w, None) + b, whole)  # the bias is added last, as the vector blocks add it
+
+
+def test_amx_is_used_where_the_cpu_has_it() -> None:
+    """A CPU that lists the tile unit runs bf16 layers on it unless SPECD_AMX=0 (the kernel's own
+    check, CPUID and Linux's permission, must agree with /proc/cpuinfo here, or the fused decoder
+    would quietly lose it)."""
+    from specd.services.engine.kernels import _cpu_has, amx_usable
+
+    wanted = _cpu_has("amx_tile", "amx_bf16", "avx512bw") and os.environ.get("SPECD_AMX") != "0"
+    assert amx_usable() == wanted
+
+
 def test_leading_dimensions_and_float32_inputs(op) -> None:
     w = torch.randn(24, 32).bfloat16()
     x = torch.randn(2, 3, 32).bfloat16()

@@ -157,3 +157,8 @@ def fused_decoder_class():
     if os.environ.get(FUSED_SWITCH, "1") == "0" or not ensure_built():
         return None
     return torch.classes.specd_kernels.FusedDecoder
+
+
+def amx_usable() -> bool:
+    """Whether the kernels run bf16 layers on AMX tiles here (linear.h: use_amx)."""
+    return ensure_built() and bool(torch.ops.specd_kernels.amx_usable())

@@ -101,7 +101,10 @@ struct Layer {
   LinearSet qkv, o, gate_up, down;
 };
 
-LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias) {
+// A bf16 layer that fits the tile unit's shapes is packed for it where the CPU has one (linear.h,
+// "bf16 on AMX"): a copy, kept in ``packed``, as the per-op forward still reads the weights as they are.
+LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
+                        std::vector<at::Tensor>& packed) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear weights must be contiguous 2-D tensors");
   LinearWeights lw{Format::kBf16, w.data_ptr(), nullptr, nullptr, w.size(0), w.size(1)};
   if (w.scalar_type() == at::kChar) {
@@ -114,6 +117,13 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
     TORCH_CHECK(lw.K > 0, "int4 records of ", w.size(1), " bytes do not hold a whole number of 32-weight groups");
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear weights must be bf16, int8 or int4");
+    if (specd::use_amx() && specd::amx_shape_ok(lw.N, lw.K)) {
+      packed.push_back(at::empty_like(w));
+      specd::amx_pack_bf16(static_cast<const uint16_t*>(w.data_ptr()), lw.N, lw.K,
+                           static_cast<uint16_t*>(packed.back().data_ptr()));
+      lw.format = Format::kBf16Amx;
+      lw.w = packed.back().data_ptr();
+    }
   }
   if (bias.numel()) {
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == w.size(0), "bias must be fp32, one per row");
@@ -146,7 +156,7 @@ class FusedDecoder : public torch::CustomClassHolder {
         const at::Tensor& w = next();
         const at::Tensor& sc = next();
         const at::Tensor& b = next();
-        set.parts.push_back(linear_of(w, sc, b));
+        set.parts.push_back(linear_of(w, sc, b, packed_));
         set.N += set.parts.back().N;
         TORCH_CHECK(K_expected < 0 || set.parts.back().K == K_expected, "a linear part has ", set.parts.back().K,
                     " input features, expected ", K_expected);
@@ -431,6 +441,7 @@ class FusedDecoder : public torch::CustomClassHolder {
   }
 
   std::vector<at::Tensor> keep_;
+  std::vector<at::Tensor> packed_;  // bf16 weights packed for AMX (linear_of)
   at::Tensor embed_, final_norm_, inv_freq_;
   LinearSet head_;
   std::vector<Layer> layers_;

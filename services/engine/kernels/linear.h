@@ -1,5 +1,6 @@
 // Linear layers y = x W^T + b over raw pointers, for bf16, fp32, weight-only int8 and int4 weights on AVX2
-// CPUs (bf16's blocks in 512-bit registers where the CPU has AVX-512, bit for bit the same),
+// CPUs (bf16's blocks in 512-bit registers where the CPU has AVX-512, bit for bit the same; bf16 on the
+// AMX tile unit where the CPU has one, for the fused decoder, with bits of its own: "bf16 on AMX"),
 // shared by the torch ops (linear_ops.cpp) and the fused decoder forward (decoder.cpp).
 //
 // Decoding reads every weight once per step, so each kernel is built around that stream: a weight row
@@ -15,6 +16,8 @@
 #include <ATen/Parallel.h>
 #endif
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -810,13 +813,189 @@ inline void int8_rows(const float* x, int64_t M, const int8_t* w, const float* s
   });
 }
 
+// ------------------------------------------------------------------------------------ bf16 on AMX
+// On CPUs with AMX (Intel Sapphire Rapids and later) a bf16 layer runs on the tile unit: one
+// tdpbf16ps multiplies up to 16 input rows by 32 x 16 weights. The vector blocks above are bound by
+// their multiply-adds from a few rows on; the tiles are not. The demo target's fused forward on one
+// thread of the Intel VM (2026-12-05, alternated runs): 5 tokens 5.8-6.3 -> 4.5-4.7 ms, 16 tokens
+// 18.4-19.6 -> 8.2-9.2 ms, but 1 token 2.7 -> 3.3-3.5 ms: the tiles read the weights (held in L3
+// there) at ~22 GB/s to the vector blocks' ~28, whatever the prefetching tried. The real pair's bf16
+// target, `specd generate`, 2 threads, weights from memory: alone 8.8-9.1 -> 8.3-8.4 tok/s, with the
+// 0.5B drafting k = 4 18.9-20.4 -> 22.8-23.2. Verifying is where speculation spends its time, so the
+// tiles are the default; SPECD_AMX=0 keeps the vector blocks (for single-stream target-only use).
+//
+// The tile unit multiplies bf16 by bf16, so x (fp32) goes in as two bf16 terms, hi = bf16(x) and
+// lo = bf16(x - hi): 16 of fp32's 24 significant bits, relative error at most 2^-17 per input (max
+// |error| / sum |terms| 4-9e-7 against an fp64 sum, the vector blocks' 4-5e-8: far below the bf16
+// weights' own rounding). A different order of summation than the vector blocks', so other bits: a
+// layer runs here for every batch size or for none (weights are packed for it once, when the fused
+// decoder is built), and each output is the same fixed sequence of tile operations whatever the
+// batch: rows are independent in tdpbf16ps, so the kernel stays batch invariant. (A vector emulation
+// of tdpbf16ps for one row, which would have kept single-token decoding on the vector units, did
+// not give its bits: the tile unit's internal rounding is not a sequence of fp32 multiply-adds.)
+//
+// Packed weights (N % 32 == 0, K % 32 == 0): the tile operand B for 16 weight rows n and 32 inputs k
+// is 16 lines of 64 bytes, line j holding, for each n, the pair (w[n][2j], w[n][2j + 1]). Two such
+// blocks (32 rows) are stored side by side for each k-step, so a pair of row groups is one stream.
+
+#define SPECD_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-bf16")))
+
+constexpr int64_t kAmxRows = 16;      // input rows per tile
+constexpr int64_t kAmxK = 32;         // inputs per tile step
+constexpr int64_t kAmxWeightRows = 32;  // weight rows per step: two 16-row tiles
+// Without software prefetching the tile loads waited on the weights (the demo target: 4.9 ms a
+// token); 1-2 KB ahead did best in a sweep of 0.25-16 KB (to L1; to L2 was slower).
+constexpr int64_t kAmxPrefetchBytes = 2048;
+
+// Whether a layer of N outputs and K inputs can be packed for the tile unit.
+inline bool amx_shape_ok(int64_t N, int64_t K) { return N % kAmxWeightRows == 0 && K % kAmxK == 0; }
+
+// Whether this CPU runs bf16 layers on AMX: it has the tile unit, SPECD_AMX is not "0" (for A/B
+// runs), and Linux grants this process the tile state (arch_prctl, once; kernels before 5.16 do not).
+inline bool use_amx() {
+  static const bool yes = [] {
+    const char* env = std::getenv("SPECD_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512bw"))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return yes;
+}
+
+// w bf16 [N, K] -> the packed layout above, N * K values.
+inline void amx_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
+  const int64_t steps = K / kAmxK;
+  for (int64_t p = 0; p < N / kAmxWeightRows; ++p)
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t h = 0; h < 2; ++h) {
+        uint16_t* block = out + ((p * steps + s) * 2 + h) * (kAmxK * 16);
+        for (int64_t j = 0; j < kAmxK / 2; ++j)
+          for (int64_t n = 0; n < 16; ++n)
+            for (int64_t e = 0; e < 2; ++e)
+              block[j * 32 + n * 2 + e] = w[(p * kAmxWeightRows + h * 16 + n) * K + s * kAmxK + 2 * j + e];
+      }
+}
+
+// float_to_bf16 on 16 lanes (the same bits).
+SPECD_AMX inline __m256i bf16x16(__m512i u) {
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// x [M, K] fp32 -> hi, lo bf16 [M, K] with x ~= hi + lo (K % 16 == 0).
+SPECD_AMX inline void split_bf16(const float* x, int64_t M, int64_t K, uint16_t* hi, uint16_t* lo) {
+  for (int64_t i = 0; i < M * K; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m256i h = bf16x16(_mm512_castps_si512(v));
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), bf16x16(_mm512_castps_si512(_mm512_sub_ps(v, hf))));
+  }
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0, 1: outputs [rows, 16] fp32; 2, 3: x's hi and lo [rows, 32] bf16; 4-7: weights, two k-steps
+// of a pair of row groups loaded together (one k-step at a time: 64-69 us a 1376 x 512 layer held in
+// L3 at one row, two: 61-63).
+SPECD_AMX inline void amx_configure(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+  for (int t = 4; t < 8; ++t) cfg.rows[t] = kAmxK / 2, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// Weight-row pairs [p0, p1) of amx_bf16_rows, on the calling thread (its own tile configuration).
+SPECD_AMX inline void amx_span(const uint16_t* hi, const uint16_t* lo, int64_t M, const uint16_t* packed, int64_t K,
+                               const float* bias, float* out, int64_t ldo, int64_t p0, int64_t p1) {
+  const int64_t steps = K / kAmxK;
+  const int64_t tile = std::max<int64_t>(1, (256 * 1024) / (kAmxWeightRows * 2 * K));
+  int64_t configured = 0;
+  for (int64_t t0 = p0; t0 < p1; t0 += tile) {
+    const int64_t t1 = std::min(p1, t0 + tile);
+    for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+      const int64_t rows = std::min(kAmxRows, M - m0);
+      if (rows != configured) amx_configure(rows), configured = rows;
+      const uint16_t* xh = hi + m0 * K;
+      const uint16_t* xl = lo + m0 * K;
+      for (int64_t p = t0; p < t1; ++p) {
+        const uint16_t* w = packed + p * steps * 2 * (kAmxK * 16);
+        float* y = out + m0 * ldo + p * kAmxWeightRows;
+        _tile_zero(0);
+        _tile_zero(1);
+        int64_t s = 0;
+        for (; s + 2 <= steps; s += 2) {
+          const char* ahead = reinterpret_cast<const char*>(w + s * 2 * (kAmxK * 16)) + kAmxPrefetchBytes;
+          for (int line = 0; line < 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+          _tile_loadd(4, w + s * 2 * (kAmxK * 16), 64);
+          _tile_loadd(5, w + (s * 2 + 1) * (kAmxK * 16), 64);
+          _tile_loadd(6, w + (s * 2 + 2) * (kAmxK * 16), 64);
+          _tile_loadd(7, w + (s * 2 + 3) * (kAmxK * 16), 64);
+          _tile_loadd(2, xh + s * kAmxK, 2 * K);
+          _tile_loadd(3, xl + s * kAmxK, 2 * K);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 2, 5);
+          _tile_dpbf16ps(0, 3, 4);
+          _tile_dpbf16ps(1, 3, 5);
+          _tile_loadd(2, xh + (s + 1) * kAmxK, 2 * K);
+          _tile_loadd(3, xl + (s + 1) * kAmxK, 2 * K);
+          _tile_dpbf16ps(0, 2, 6);
+          _tile_dpbf16ps(1, 2, 7);
+          _tile_dpbf16ps(0, 3, 6);
+          _tile_dpbf16ps(1, 3, 7);
+        }
+        for (; s < steps; ++s) {
+          _tile_loadd(4, w + s * 2 * (kAmxK * 16), 64);
+          _tile_loadd(5, w + (s * 2 + 1) * (kAmxK * 16), 64);
+          _tile_loadd(2, xh + s * kAmxK, 2 * K);
+          _tile_loadd(3, xl + s * kAmxK, 2 * K);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 2, 5);
+          _tile_dpbf16ps(0, 3, 4);
+          _tile_dpbf16ps(1, 3, 5);
+        }
+        _tile_stored(0, y, 4 * ldo);
+        _tile_stored(1, y + 16, 4 * ldo);
+        if (bias != nullptr)
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < kAmxWeightRows; ++j) y[r * ldo + j] += bias[p * kAmxWeightRows + j];
+      }
+    }
+  }
+  if (configured) _tile_release();
+}
+
+// y[M, N] (row stride ldo) = x[M, K] W^T + b, W packed by amx_pack_bf16. Threads split the weight rows;
+// within a thread, a ~256 KB tile of them meets every 16 input rows before the next is read, as in
+// linear_rows.
+inline void amx_bf16_rows(const float* x, int64_t M, const uint16_t* packed, int64_t N, int64_t K,
+                          const float* bias, float* out, int64_t ldo) {
+  std::vector<uint16_t> hi(M * K), lo(M * K);
+  split_bf16(x, M, K, hi.data(), lo.data());
+  at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t p0, int64_t p1) {
+    amx_span(hi.data(), lo.data(), M, packed, K, bias, out, ldo, p0, p1);
+  });
+}
+
 // ------------------------------------------------------------------------------- one interface
 // A linear layer's weights in whichever format, as the fused decoder holds them.
-enum class Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kF32 = 3 };
+enum class Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kF32 = 3, kBf16Amx = 4 };
 
 struct LinearWeights {
   Format format;
-  const void* w;        // bf16 [N, K], int8 [N, K], int4 records [N, int4_row_bytes(K)], or fp32 [N, K]
+  const void* w;        // bf16 [N, K] (kBf16Amx: packed by amx_pack_bf16), int8 [N, K], int4 records
+                        // [N, int4_row_bytes(K)], or fp32 [N, K]
   const float* scale;   // int8: [N]; else null
   const float* bias;    // fp32 [N] or null
   int64_t N, K;
@@ -836,6 +1015,9 @@ inline void linear_any(const LinearWeights& lw, const float* x, int64_t M, float
       break;
     case Format::kF32:
       linear_rows(x, M, F32Rows{static_cast<const float*>(lw.w), lw.K}, lw.N, lw.bias, out, ldo);
+      break;
+    case Format::kBf16Amx:
+      amx_bf16_rows(x, M, static_cast<const uint16_t*>(lw.w), lw.N, lw.K, lw.bias, out, ldo);
       break;
   }
 }

@@ -48,6 +48,24 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   return dense_linear(x, weight, bias, at::kBFloat16, Format::kBf16, "bf16");
 }
 
+// bf16 weights on the tile unit (linear.h, "bf16 on AMX"), packed at each call: for tests and
+// microbenchmarks (the fused decoder packs its layers once).
+at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(specd::use_amx(), "this CPU (or kernel, or SPECD_AMX=0) does not run AMX tiles");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D bf16 tensor");
+  TORCH_CHECK(specd::amx_shape_ok(weight.size(0), weight.size(1)), "AMX needs N % 32 == 0 and K % 32 == 0");
+  const at::Tensor packed = at::empty_like(weight);
+  specd::amx_pack_bf16(static_cast<const uint16_t*>(weight.data_ptr()), weight.size(0), weight.size(1),
+                       static_cast<uint16_t*>(packed.data_ptr()));
+  at::Tensor b;
+  const LinearWeights lw{Format::kBf16Amx, packed.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)),
+                         weight.size(0), weight.size(1)};
+  return run(x, lw);
+}
+
+bool amx_usable() { return specd::use_amx(); }
+
 // fp32 weights: where torch's fp32 matmul streams weights slowly at decoding's few rows (MKL's sgemm on
 // AMD CPUs: 4-16 GB/s of weights at 1-8 rows on a Zen 3 reading 26-48 GB/s), and batch invariant.
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -206,6 +224,8 @@ int64_t stream_read(const at::Tensor& buffer) {
 TORCH_LIBRARY(specd_kernels, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("amx_bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("amx_usable() -> bool", &amx_usable);
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("quantize_int4(Tensor weight) -> Tensor");
@@ -215,6 +235,7 @@ TORCH_LIBRARY(specd_kernels, m) {
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
   m.impl("f32_linear", f32_linear);
+  m.impl("amx_bf16_linear", amx_bf16_linear);
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
   m.impl("quantize_int4", quantize_int4);
