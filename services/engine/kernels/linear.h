@@ -865,18 +865,22 @@ inline bool use_amx() {
   return yes;
 }
 
-// w bf16 [N, K] -> the packed layout above, N * K values.
+// w bf16 [N, K] -> the packed layout above, N * K values. A block is the 16 x 16 transpose of its rows'
+// 32-bit pairs; threads split the row pairs (a 1.5B model's layers take about a second).
 inline void amx_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
   const int64_t steps = K / kAmxK;
-  for (int64_t p = 0; p < N / kAmxWeightRows; ++p)
-    for (int64_t s = 0; s < steps; ++s)
-      for (int64_t h = 0; h < 2; ++h) {
-        uint16_t* block = out + ((p * steps + s) * 2 + h) * (kAmxK * 16);
-        for (int64_t j = 0; j < kAmxK / 2; ++j)
-          for (int64_t n = 0; n < 16; ++n)
-            for (int64_t e = 0; e < 2; ++e)
-              block[j * 32 + n * 2 + e] = w[(p * kAmxWeightRows + h * 16 + n) * K + s * kAmxK + 2 * j + e];
-      }
+  at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t n = 0; n < 16; ++n) {
+          uint32_t row[kAmxK / 2];
+          for (int64_t s = 0; s < steps; ++s) {
+            std::memcpy(row, w + (p * kAmxWeightRows + h * 16 + n) * K + s * kAmxK, sizeof(row));
+            uint16_t* dst = out + ((p * steps + s) * 2 + h) * (kAmxK * 16);
+            for (int64_t j = 0; j < kAmxK / 2; ++j) std::memcpy(dst + (j * 16 + n) * 2, &row[j], 4);
+          }
+        }
+  });
 }
 
 // float_to_bf16 on 16 lanes (the same bits).
