@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.services.engine.drafters import ALTERNATIVES, ModelDrafter, other_than
+from specd.services.engine.drafters import ALTERNATIVES, ModelDrafter, likeliest, other_than
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import to_sparse, truncate_probs
 from specd.services.engine.transfer import to_device
@@ -342,7 +342,8 @@ class AheadLane:
         )[:, 0]  # [R, V]
         for h, pos in zip(holders, positions):
             self.drafter.wrote(h, pos + 1)
-        tokens = logits.argmax(-1)
+        tokens, top = likeliest(logits)  # argmax, and [R, A + 1] for the bonus branches' tokens
+        tokens = tokens.clone()  # sampled rows overwrite theirs
         sampled = [i for i, (p, b) in enumerate(rows) if b is not None and not p.greedy]
         ids = probs = None
         if sampled:
@@ -355,7 +356,6 @@ class AheadLane:
             u = to_device(torch.stack([rows[i][0].u[len(rows[i][1].tokens)] for i in sampled]), device)
             tokens[idx] = sample_from(q, u)
             ids, probs = (t.cpu().numpy() for t in to_sparse(q, self.support))
-        top = logits.topk(ALTERNATIVES + 1, dim=-1).indices  # [R, A + 1]: the bonus branches' tokens
         alts = other_than(top, tokens)  # [R, A]: each guess's likeliest replacements, as runner_ups
         host_tokens, host_alts, host_top = tokens.tolist(), alts.tolist(), top.tolist()  # one sync
         where = {i: n for n, i in enumerate(sampled)}

@@ -118,6 +118,22 @@ def other_than(top: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return top[keep].view(-1, n)
 
 
+def likeliest(logits: torch.Tensor, n: int = ALTERNATIVES) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` [B, V] -> (``logits.argmax(-1)`` [B], the ``n + 1`` likeliest tokens [B, n + 1],
+    likeliest first) from one top-k pass over the vocabulary instead of a top-k and an argmax (each
+    ~0.1 ms at 10 rows of the demo draft's 8192 on one CPU thread, a tenth of a drafting-ahead
+    step). Where the two likeliest tie, top-k may order them otherwise than argmax (the lowest
+    index), so those rows take argmax itself: the greedy guess is argmax's in every case."""
+    values, top = logits.topk(n + 1, dim=-1)
+    best = top[:, 0]
+    tied = values[:, 0] == values[:, 1]
+    if logits.device.type != "cpu":
+        best = torch.where(tied, logits.argmax(-1), best)  # no host sync on an accelerator
+    elif bool(tied.any()):
+        best = torch.where(tied, logits.argmax(-1), best)
+    return best, top
+
+
 def runner_ups(logits: torch.Tensor, chosen: torch.Tensor, n: int = ALTERNATIVES) -> torch.Tensor:
     """Per row of ``logits`` [B, V], the ``n`` likeliest tokens other than ``chosen`` [B], likeliest
     first: [B, n]."""
@@ -465,11 +481,13 @@ class ModelDrafter:
                     q = truncate_probs(q, self.support)
                 tok = torch.where(greedy, logits[:, 0].argmax(-1), sample_from(q, u[:, j]))
                 probs.append(q)
+            elif alternatives:
+                tok, top = likeliest(logits[:, 0])
             else:
                 tok = logits[:, 0].argmax(-1)
             tokens.append(tok)
             if alternatives:
-                alts.append(runner_ups(logits[:, 0], tok))
+                alts.append(other_than(top, tok) if not any_sampled else runner_ups(logits[:, 0], tok))
             if j + 1 < K:
                 positions = [len(r.tokens) + j for r in rows]
                 layout = self.cache.layout(slots, positions, 1, device)

@@ -20,7 +20,7 @@ from specd.services.draft.ahead import MAX_WIDTH, PAUSE_ROUNDS, STARVED_ROUNDS, 
 from specd.services.draft.server import DraftServerConfig, build_worker
 from specd.services.draft.worker import BlockError, DraftWorker, OpenSeq, ProposeReq
 from specd.services.engine.builder import load_tokenizer
-from specd.services.engine.drafters import ALTERNATIVES, other_than
+from specd.services.engine.drafters import ALTERNATIVES, likeliest, other_than
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.kv_cache import PagedKVCache
 from specd.services.engine.model import load_model
@@ -461,3 +461,17 @@ def test_replacements_are_the_likeliest_tokens_other_than_the_guess() -> None:
     top = torch.tensor([[7, 3, 9], [7, 3, 9], [7, 3, 9], [7, 3, 9]])
     chosen = torch.tensor([7, 3, 9, 5])
     assert other_than(top, chosen).tolist() == [[3, 9], [7, 9], [7, 3], [7, 3]]
+
+
+def test_likeliest_is_argmax_and_topk_from_one_pass_ties_included() -> None:
+    """likeliest (the draft's greedy guess and its top tokens from one top-k): argmax and topk on
+    random rows, and argmax's lowest index where the two likeliest tie (topk alone may order
+    those either way)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 300, generator=g)
+    logits[4, [250, 17]] = 9.0  # a tie between two indices, the higher one listed first
+    logits[9, [3, 299, 100]] = 7.5
+    best, top = likeliest(logits)
+    assert torch.equal(best, logits.argmax(-1))
+    assert best[4] == 17 and best[9] == 3
+    assert torch.equal(top, logits.topk(ALTERNATIVES + 1, dim=-1).indices)
