@@ -356,7 +356,7 @@ class AheadLane:
             u = to_device(torch.stack([rows[i][0].u[len(rows[i][1].tokens)] for i in sampled]), device)
             tokens[idx] = sample_from(q, u)
             ids, probs = (t.cpu().numpy() for t in to_sparse(q, self.support))
-        alts = other_than(top, tokens)  # [R, A]: each guess's likeliest replacements, as runner_ups
+        alts = other_than(top, tokens)  # [R, A]: each guess's likeliest replacements, as ModelDrafter's
         host_tokens, host_alts, host_top = tokens.tolist(), alts.tolist(), top.tolist()  # one sync
         where = {i: n for n, i in enumerate(sampled)}
         for i, (p, b) in enumerate(rows):

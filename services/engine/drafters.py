@@ -127,17 +127,10 @@ def likeliest(logits: torch.Tensor, n: int = ALTERNATIVES) -> tuple[torch.Tensor
     values, top = logits.topk(n + 1, dim=-1)
     best = top[:, 0]
     tied = values[:, 0] == values[:, 1]
-    if logits.device.type != "cpu":
-        best = torch.where(tied, logits.argmax(-1), best)  # no host sync on an accelerator
-    elif bool(tied.any()):
+    # On an accelerator without asking whether any row tied (a host sync); on a CPU only if one did.
+    if logits.device.type != "cpu" or bool(tied.any()):
         best = torch.where(tied, logits.argmax(-1), best)
     return best, top
-
-
-def runner_ups(logits: torch.Tensor, chosen: torch.Tensor, n: int = ALTERNATIVES) -> torch.Tensor:
-    """Per row of ``logits`` [B, V], the ``n`` likeliest tokens other than ``chosen`` [B], likeliest
-    first: [B, n]."""
-    return other_than(logits.topk(n + 1, dim=-1).indices, chosen)
 
 
 def _pad(rows: list[list[int]], width: int) -> torch.Tensor:
@@ -475,19 +468,21 @@ class ModelDrafter:
         logits = self._catch_up(pending, slots, starts)  # [B, 1, V]
         tokens, probs, alts = [], [], []
         for j in range(K):
+            if alternatives:
+                best, top = likeliest(logits[:, 0])  # argmax, and the tokens the replacements come from
+            else:
+                best = logits[:, 0].argmax(-1)
             if any_sampled:
                 q = processed_probs(logits, sampling)[:, 0]  # [B, V]
                 if self.support:
                     q = truncate_probs(q, self.support)
-                tok = torch.where(greedy, logits[:, 0].argmax(-1), sample_from(q, u[:, j]))
+                tok = torch.where(greedy, best, sample_from(q, u[:, j]))
                 probs.append(q)
-            elif alternatives:
-                tok, top = likeliest(logits[:, 0])
             else:
-                tok = logits[:, 0].argmax(-1)
+                tok = best
             tokens.append(tok)
             if alternatives:
-                alts.append(other_than(top, tok) if not any_sampled else runner_ups(logits[:, 0], tok))
+                alts.append(other_than(top, tok))
             if j + 1 < K:
                 positions = [len(r.tokens) + j for r in rows]
                 layout = self.cache.layout(slots, positions, 1, device)
