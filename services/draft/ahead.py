@@ -18,8 +18,9 @@ Between rounds the draft guesses the likeliest of these outcomes and drafts the 
 How many branches each sequence gets (its *width*, in that order of likelihood: main, rejection at
 1, second bonus, rejection at 2, ..., rejection at k; then the rejections with the third likeliest
 token at 1, ..., k) is set per stream by :class:`AheadPolicy` from whether the
-prepared work finished before the target's next round; with no spare time at all it switches
-drafting ahead off for a while.
+prepared work finished before the target's next round (for offered blocks: whether the outcome's
+block reached the target before it asked for one); with no spare time at all it switches drafting
+ahead off for a while.
 
 When the outcome arrives, the branch whose assumed prefix *is* the committed prefix serves its
 block (finished first when it is short of the guesses asked for); every other branch is dropped
@@ -42,6 +43,7 @@ far, the draft got ahead.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +64,21 @@ START_WIDTH = 2
 # drafting ahead pauses, and how many rounds the pause lasts before it tries again.
 STARVED_ROUNDS = 8
 PAUSE_ROUNDS = 64
+# Offering plans: rounds in a row not late (see OfferTiming) before the width grows by one; a late
+# round shrinks it at once. Their branches step together and are offered together, so each extra
+# branch delays every offer by its share of a step. Widening on idle time alone, as plans that are
+# not offered do, grew the demo pair's width to 9-14, where 28% of rounds found their block
+# prepared but not yet offered (it came a round trip too late) and the target waited; capped at 6,
+# 3% (pinned stack, one stream, k = 4: 554 tok/s against 544 at 9, 515 at 14, 486 at 3).
+GROW_AFTER_ON_TIME = 8
+
+
+class OfferTiming(enum.Enum):
+    """What a round says about the timing of an offering plan's offers."""
+
+    NONE = 0  # no offering plan's branch matched the outcome: nothing to judge by
+    ON_TIME = 1  # the target verified the offered block without asking
+    LATE = 2  # the outcome's branch was prepared but not offered before the target asked
 
 
 @dataclass
@@ -141,6 +158,7 @@ class AheadPolicy:
     max_width: int = MAX_WIDTH
     starved: int = 0
     paused: int = 0
+    on_time: int = 0  # offering plans: rounds in a row not late
 
     def planned_width(self) -> int:
         """Branches per sequence for the next window (0: paused)."""
@@ -151,14 +169,38 @@ class AheadPolicy:
         if self.paused:
             self.paused -= 1
 
-    def observe(self, steps: int, complete: bool, idle_seconds: float, step_seconds: float) -> None:
+    def observe(
+        self,
+        steps: int,
+        complete: bool,
+        idle_seconds: float,
+        step_seconds: float,
+        offering: bool = False,
+        timing: OfferTiming = OfferTiming.NONE,
+    ) -> None:
         """One window: ``steps`` prepared steps ran before the round came; ``complete``: every
-        branch was finished, ``idle_seconds`` before the round came; ``step_seconds``: mean step time."""
+        branch was finished, ``idle_seconds`` before the round came; ``step_seconds``: mean step
+        time; ``offering``: its plans offer their branches, and ``timing`` says whether in time.
+
+        A plan that is offered has to beat the target's verify pass, not the round's message, which
+        comes a round trip later (after the pass when the offer was late): its width grows only
+        after GROW_AFTER_ON_TIME rounds in a row that were not late, and shrinks on a late one."""
+        if offering and timing is OfferTiming.LATE:
+            self.on_time = 0
+            self.starved = 0
+            self.width = max(1, self.width - 1)
+            return
         if complete:
             self.starved = 0
-            if idle_seconds >= step_seconds:
+            if offering:
+                self.on_time += 1
+                if self.on_time >= GROW_AFTER_ON_TIME:
+                    self.on_time = 0
+                    self.width = min(self.width + 1, self.max_width)
+            elif idle_seconds >= step_seconds:
                 self.width = min(self.width + 1, self.max_width)
             return
+        self.on_time = 0
         self.width = max(1, self.width - 1)
         self.starved = self.starved + 1 if steps <= 1 else 0
         if self.starved >= STARVED_ROUNDS:
@@ -184,27 +226,32 @@ class AheadLane:
         self._steps = 0
         self._step_seconds = 0.0
         self._done_at: float | None = None
+        # The window that a round ended, judged once the round's claims say how the offers went.
+        self._ended: tuple[int, bool, float, float, bool] | None = None
+        self._timing = OfferTiming.NONE
 
     # ------------------------------------------------------------------ rounds
 
     def round_started(self, keys: set[str]) -> None:
-        """A round with rows arrived: judge the window that ends, drop plans it cannot use (a
-        sequence missing from the round commits one more token without guesses, so no branch can
-        match it any more)."""
+        """A round with rows arrived: note the window that ends (judged in :meth:`round_claimed`),
+        drop plans it cannot use (a sequence missing from the round commits one more token without
+        guesses, so no branch can match it any more)."""
+        self._ended, self._timing = None, OfferTiming.NONE
         if self.plans:
             complete = all(p.complete() for p in self.plans.values())
             idle = time.perf_counter() - self._done_at if self._done_at is not None else 0.0
             mean = self._step_seconds / self._steps if self._steps else 0.0
-            self.policy.observe(self._steps, complete, idle, mean)
-        self.policy.round()
+            offering = any(p.offer for p in self.plans.values())
+            self._ended = (self._steps, complete, idle, mean, offering)
         self.offers = []  # not sent before the round: the target no longer waits for them
         for key in [k for k in self.plans if k not in keys]:
             self.drop(key)
         self._steps, self._step_seconds, self._done_at = 0, 0.0, None
 
-    def claim(self, key: str, committed: list[int], round_seed: int, k: int) -> Claim | None:
+    def claim(self, key: str, committed: list[int], round_seed: int, k: int, taken: bool = False) -> Claim | None:
         """The branch prepared for exactly this committed prefix and seed, if any; every other
-        branch of the sequence is freed. The claimed branch's KV entry is not touched."""
+        branch of the sequence is freed. The claimed branch's KV entry is not touched.
+        ``taken``: the target verified the block this lane offered for the outcome."""
         plan = self.plans.pop(key, None)
         if plan is None:
             return None
@@ -215,7 +262,17 @@ class AheadLane:
         self._free(plan, keep=match)
         if match is None:
             return None
+        if plan.offer and self._timing is not OfferTiming.LATE:
+            self._timing = OfferTiming.ON_TIME if taken else OfferTiming.LATE
         return Claim(match, plan, len(match.tokens) >= k)
+
+    def round_claimed(self) -> None:
+        """The round's outcomes are claimed: judge the window that ended with it."""
+        if self._ended is not None:
+            steps, complete, idle, mean, offering = self._ended
+            self.policy.observe(steps, complete, idle, mean, offering, self._timing)
+        self.policy.round()
+        self._ended, self._timing = None, OfferTiming.NONE
 
     def finish(self, claims: list[tuple[Claim, int]]) -> None:
         """Draft the claimed branches on until each holds ``k`` guesses (their holders are the

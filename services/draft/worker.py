@@ -212,7 +212,7 @@ class DraftWorker:
                 out[r.seq_id] = BlockOut(r.seq_id, error=BlockError.OUT_OF_SYNC)
                 continue
             fits = len(st.tokens) + r.k <= self.max_len
-            claim = lane.claim(k, st.tokens, r.round_seed, r.k) if fits else None
+            claim = lane.claim(k, st.tokens, r.round_seed, r.k, r.offer_taken) if fits else None
             if r.offer_taken and (claim is None or not claim.ready):
                 # The target verified a block this draft no longer holds whole: its cache could
                 # disagree with what the target verified, so start the sequence over.
@@ -249,6 +249,7 @@ class DraftWorker:
             rows.append(DraftRow(k, st.tokens, r.k, greedy, None if greedy else r.round_seed))
             params.append(st.params)
             out[r.seq_id] = BlockOut(r.seq_id)
+        lane.round_claimed()
         if rows:
             sampling = BatchSampling.from_params(params, self.drafter.model.device)
             prop = self.drafter.propose(rows, sampling, alternatives=ahead)

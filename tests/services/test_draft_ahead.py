@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from specd.services.draft.ahead import MAX_WIDTH, PAUSE_ROUNDS, STARVED_ROUNDS, AheadPolicy
+from specd.services.draft.ahead import (
+    GROW_AFTER_ON_TIME,
+    MAX_WIDTH,
+    PAUSE_ROUNDS,
+    STARVED_ROUNDS,
+    AheadPolicy,
+    OfferTiming,
+)
 from specd.services.draft.server import DraftServerConfig, build_worker
 from specd.services.draft.worker import BlockError, DraftWorker, OpenSeq, ProposeReq
 from specd.services.engine.builder import load_tokenizer
@@ -248,6 +255,45 @@ def test_policy_widens_narrows_and_pauses() -> None:
     for _ in range(PAUSE_ROUNDS):
         p.round()
     assert p.planned_width() == 1
+
+
+def test_offering_policy_grows_after_a_run_on_time_and_shrinks_when_an_offer_was_late() -> None:
+    p = AheadPolicy(width=3, max_width=5)
+    lots_idle = {"steps": 5, "complete": True, "idle_seconds": 0.01, "step_seconds": 0.001, "offering": True}
+    for _ in range(GROW_AFTER_ON_TIME - 1):  # idle time alone does not widen an offering plan
+        p.observe(**lots_idle, timing=OfferTiming.ON_TIME)
+    assert p.planned_width() == 3
+    p.observe(**lots_idle, timing=OfferTiming.NONE)  # an outcome not prepared for, in time all the same
+    assert p.planned_width() == 4
+    p.observe(**lots_idle, timing=OfferTiming.LATE)  # complete, idle, but the target had asked first
+    assert p.planned_width() == 3
+    for _ in range(GROW_AFTER_ON_TIME - 1):
+        p.observe(**lots_idle, timing=OfferTiming.ON_TIME)
+    p.observe(**lots_idle, timing=OfferTiming.LATE)  # a late round starts the count again
+    for _ in range(GROW_AFTER_ON_TIME - 1):
+        p.observe(**lots_idle, timing=OfferTiming.ON_TIME)
+    assert p.planned_width() == 2
+
+
+def test_a_prepared_block_the_target_asked_for_is_judged_late(tiny_pair) -> None:
+    worker = _worker(tiny_pair[1])
+    prompt = [5, 9, 13, 2, 7]
+    assert worker.open("s", OpenSeq("a", prompt, SamplingParams(temperature=0.0))) is BlockError.NONE
+    while not worker.drafter.ready(worker.key("s", "a")):
+        worker.drafter.prefill(64)
+    committed = list(prompt)
+    (b,) = worker.propose("s", [ProposeReq("a", 0, [], len(committed), 3, 0)], ahead=True, offer=True)
+    lane = worker.lanes["s"]
+    while lane.pending():
+        worker.ahead_step("s")
+    (offer,) = [o for o in worker.take_offers("s") if o.assumed[:3] == tuple(b.token_ids)]
+    width = lane.policy.width
+    new = list(offer.assumed)
+    committed += new
+    # The outcome the main line assumed, but the round does not say the target took its offer.
+    (b2,) = worker.propose("s", [ProposeReq("a", 3, new, len(committed), 3, 0)], ahead=True, offer=True)
+    assert b2.source == "prepared" and b2.token_ids == list(offer.tokens)
+    assert lane.policy.width == width - 1
 
 
 # ----------------------------------------------------------------------- through the client
