@@ -114,6 +114,25 @@ def test_avx512_int4_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) ->
         assert torch.equal(op(x, packed, b), want), f"{x.shape[0]} rows"
 
 
+@pytest.mark.skipif(not _cpu_has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 int8 blocks run")
+@pytest.mark.skipif(os.environ.get("SPECD_AVX512") == "0", reason="SPECD_AVX512=0: both sides would run AVX2")
+@pytest.mark.parametrize("k", [128, 136, 160, 896])
+def test_avx512_int8_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) -> None:
+    """The int8 blocks in 512-bit registers (q8_block_avx512) against the AVX2 ones, bit for bit, 1-8
+    rows and more (37 weight rows). 160 ends a super-block in an odd 32-byte step, 136 in a scalar
+    tail, 896 (the 0.5B draft's hidden size) in a short super-block."""
+    from specd.services.engine.kernels import int8_linear
+    from specd.services.engine.llama import quantize_int8
+
+    op = int8_linear()
+    g = torch.Generator().manual_seed(7)
+    q, scale = quantize_int8(torch.randn(37, k, generator=g).bfloat16())
+    b = torch.randn(37, generator=g).bfloat16()
+    xs = [torch.randn(m, k, generator=g) * 3 for m in (1, 2, 3, 5, 8, 9, 17)]
+    for x, want in zip(xs, _on_avx2("int8_linear", (q, scale, b), xs, tmp_path)):
+        assert torch.equal(op(x, q, scale, b), want), f"{x.shape[0]} rows"
+
+
 def _amx_op():
     from specd.services.engine.kernels import amx_usable
 
