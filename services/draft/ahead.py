@@ -135,6 +135,17 @@ class SeqPlan:
         return not self.probing and all(len(b.tokens) >= self.want for b in self.branches)
 
 
+@dataclass(frozen=True)
+class Window:
+    """The prepared work between two rounds of a lane, as the policy judges it."""
+
+    steps: int  # prepared steps run before the round came
+    complete: bool  # every branch was finished
+    idle_seconds: float  # from the work's end to the round
+    step_seconds: float  # mean step time
+    offering: bool  # its plans offered their branches
+
+
 @dataclass
 class Claim:
     """A prepared branch that matches a round's outcome."""
@@ -227,7 +238,7 @@ class AheadLane:
         self._step_seconds = 0.0
         self._done_at: float | None = None
         # The window that a round ended, judged once the round's claims say how the offers went.
-        self._ended: tuple[int, bool, float, float, bool] | None = None
+        self._ended: Window | None = None
         self._timing = OfferTiming.NONE
 
     # ------------------------------------------------------------------ rounds
@@ -242,7 +253,7 @@ class AheadLane:
             idle = time.perf_counter() - self._done_at if self._done_at is not None else 0.0
             mean = self._step_seconds / self._steps if self._steps else 0.0
             offering = any(p.offer for p in self.plans.values())
-            self._ended = (self._steps, complete, idle, mean, offering)
+            self._ended = Window(self._steps, complete, idle, mean, offering)
         self.offers = []  # not sent before the round: the target no longer waits for them
         for key in [k for k in self.plans if k not in keys]:
             self.drop(key)
@@ -268,9 +279,9 @@ class AheadLane:
 
     def round_claimed(self) -> None:
         """The round's outcomes are claimed: judge the window that ended with it."""
-        if self._ended is not None:
-            steps, complete, idle, mean, offering = self._ended
-            self.policy.observe(steps, complete, idle, mean, offering, self._timing)
+        w = self._ended
+        if w is not None:
+            self.policy.observe(w.steps, w.complete, w.idle_seconds, w.step_seconds, w.offering, self._timing)
         self.policy.round()
         self._ended, self._timing = None, OfferTiming.NONE
 
