@@ -133,6 +133,40 @@ def test_avx512_int8_blocks_give_the_avx2_blocks_bits(tmp_path: Path, k: int) ->
         assert torch.equal(op(x, q, scale, b), want), f"{x.shape[0]} rows"
 
 
+def _vnni_int8_op():
+    from specd.services.engine.kernels import ensure_built
+
+    usable = ensure_built() and _cpu_has_avx512_vnni() and os.environ.get("SPECD_AVX512") != "0"
+    return torch.ops.specd_kernels.int8_vnni_linear if usable else None
+
+
+@pytest.mark.skipif(_vnni_int8_op() is None, reason="no AVX-512 VNNI here (or SPECD_AVX512=0)")
+@pytest.mark.parametrize(("n", "k"), [(64, 128), (48, 160), (32, 896)])
+def test_int8_packed_for_vnni_is_exact_per_super_block_and_batch_invariant(n: int, k: int) -> None:
+    """The int8 layers the fused decoder packs for VNNI: within 1e-6 of an fp64 product of the
+    int8 weights and the int8-rounded activations (each super-block's integer sum is exact; the
+    unpacked blocks, eight float lanes a super-block, are held to 1e-5), and each row's bits the
+    same alone, in any batch, across the 8-row blocks (37 rows) and in any order. 160 ends in half a
+    super-block, 896 (the 0.5B draft's hidden size) in a short one."""
+    from specd.services.engine.kernels import int8_linear
+    from specd.services.engine.llama import quantize_int8
+
+    op = _vnni_int8_op()
+    g = torch.Generator().manual_seed(n + k)
+    q, scale = quantize_int8(torch.randn(n, k, generator=g).bfloat16())
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(37, k, generator=g) * 3
+    got = op(x, q, scale, b)
+    want = F.linear(_quantized_activations(x).double(), q.double() * scale.double()[:, None], b.double())
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    assert (int8_linear()(x, q, scale, b) - got).abs().max() <= 1e-5 * want.abs().max()
+    for m in (1, 2, 7, 8, 9, 16):
+        assert torch.equal(op(x[:m], q, scale, b), got[:m]), f"{m} rows"
+    assert torch.equal(op(x[5:6], q, scale, b), got[5:6])
+    shuffled = torch.randperm(37, generator=g)
+    assert torch.equal(op(x[shuffled], q, scale, b), got[shuffled])
+
+
 def _amx_op():
     from specd.services.engine.kernels import amx_usable
 

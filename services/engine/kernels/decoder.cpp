@@ -102,7 +102,8 @@ struct Layer {
 };
 
 // A bf16 layer that fits the tile unit's shapes is packed for it where the CPU has one (linear.h,
-// "bf16 on AMX"): a copy, kept in ``packed``, as the per-op forward still reads the weights as they are.
+// "bf16 on AMX"), an int8 layer for VNNI where the CPU has AVX-512 VNNI (linear.h, "int8 packed for
+// VNNI"): a copy, kept in ``packed``, as the per-op forward still reads the weights as they are.
 LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
                         std::vector<at::Tensor>& packed) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear weights must be contiguous 2-D tensors");
@@ -111,6 +112,12 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
     TORCH_CHECK(scale.numel() == w.size(0) && scale.scalar_type() == at::kFloat, "int8 weights need fp32 row scales");
     lw.format = Format::kInt8;
     lw.scale = scale.data_ptr<float>();
+    if (specd::use_avx512_vnni() && specd::vnni_shape_ok(lw.N, lw.K)) {
+      packed.push_back(at::empty({specd::vnni_packed_bytes(lw.N, lw.K)}, w.options()));
+      specd::int8_pack_vnni(w.data_ptr<int8_t>(), lw.N, lw.K, packed.back().data_ptr<int8_t>());
+      lw.format = Format::kInt8Vnni;
+      lw.w = packed.back().data_ptr();
+    }
   } else if (w.scalar_type() == at::kByte) {
     lw.format = Format::kInt4;
     lw.K = specd::int4_k_of(w.size(1));
@@ -441,7 +448,7 @@ class FusedDecoder : public torch::CustomClassHolder {
   }
 
   std::vector<at::Tensor> keep_;
-  std::vector<at::Tensor> packed_;  // bf16 weights packed for AMX (linear_of)
+  std::vector<at::Tensor> packed_;  // weights packed for AMX or VNNI (linear_of)
   at::Tensor embed_, final_norm_, inv_freq_;
   LinearSet head_;
   std::vector<Layer> layers_;

@@ -901,6 +901,115 @@ inline void int8_rows(const float* x, int64_t M, const int8_t* w, const float* s
   });
 }
 
+// ----------------------------------------------------------------------------- int8 packed for VNNI
+// Where the CPU has AVX-512 VNNI the fused decoder packs each int8 layer (N % 16 == 0, K % 32 == 0)
+// once, at load, so that one 64-byte load holds four consecutive weights of sixteen output rows
+// (row i's w[4q..4q+3] at bytes 4i..4i+3 of group q) and one vpdpbusd per input row adds their dot
+// products with x's four values there, broadcast, into sixteen int32 lanes, one per output: no
+// horizontal sums, whatever K. q8_block sums 32 weights of one row per lane group and ends every
+// output with a horizontal sum, which at the demo draft's K = 128 cost more than the products.
+// vpdpbusd multiplies u8 by s8, so x goes in as x + 128 (its int8 quantization, Q8Rows, with the
+// sign bit flipped) and 128 times the weights' sum over the super-block, kept in the packing, comes
+// off: exact in int32, so each super-block's dot product is the exact integer, converted once and
+// scaled by its activation scale. A different float order than q8_block's (one sum per super-block,
+// not eight lanes), so other bits, more exact ones; batch invariant, as every row is computed alone.
+constexpr int64_t kVnniRows = 16;
+
+inline bool vnni_shape_ok(int64_t N, int64_t K) { return N % kVnniRows == 0 && K % 32 == 0; }
+
+// Bytes of a layer packed by int8_pack_vnni: per block of 16 rows its 16 * K weights, then one int32
+// per row and super-block (the rows' weight sums).
+inline int64_t vnni_block_bytes(int64_t K) { return kVnniRows * K + 4 * kVnniRows * ((K + kQ4Super - 1) / kQ4Super); }
+inline int64_t vnni_packed_bytes(int64_t N, int64_t K) { return N / kVnniRows * vnni_block_bytes(K); }
+
+inline void int8_pack_vnni(const int8_t* w, int64_t N, int64_t K, int8_t* out) {
+  const int64_t S = (K + kQ4Super - 1) / kQ4Super, block = vnni_block_bytes(K);
+  at::parallel_for(0, N / kVnniRows, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int8_t* o = out + b * block;
+      const int8_t* rows = w + b * kVnniRows * K;
+      for (int64_t q = 0; q < K / 4; ++q)
+        for (int64_t i = 0; i < kVnniRows; ++i) std::memcpy(o + q * 64 + i * 4, rows + i * K + 4 * q, 4);
+      int32_t sums[kVnniRows];
+      for (int64_t s = 0; s < S; ++s) {
+        for (int64_t i = 0; i < kVnniRows; ++i) {
+          int32_t t = 0;
+          for (int64_t k = s * kQ4Super; k < std::min(K, (s + 1) * kQ4Super); ++k) t += rows[i * K + k];
+          sums[i] = t;
+        }
+        std::memcpy(o + kVnniRows * K + s * 4 * kVnniRows, sums, sizeof(sums));
+      }
+    }
+  });
+}
+
+// R input rows (x + 128 as u8 [R, K], scales [R, S]) times the 16-row blocks b0..b1.
+template <int R>
+SPECD_AVX512_VNNI void q8_vnni_block(const uint8_t* xu, const float* xs, const int8_t* packed, const float* scale,
+                                     const float* bias, float* out, int64_t K, int64_t ldo, int64_t b0, int64_t b1) {
+  const int64_t S = (K + kQ4Super - 1) / kQ4Super, block = vnni_block_bytes(K);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* wb = packed + b * block;
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t q0 = s * (kQ4Super / 4), q1 = std::min(K, (s + 1) * kQ4Super) / 4;
+      __m512i isum[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+      for (int64_t q = q0; q < q1; ++q) {
+        prefetch_ahead(wb + q * 64);
+        const __m512i wv = _mm512_loadu_si512(wb + q * 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xu + r * K + 4 * q, 4);
+          isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(x4), wv);
+        }
+      }
+      const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wb + kVnniRows * K + s * 4 * kVnniRows), 7);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], off)), _mm512_set1_ps(xs[r * S + s]),
+                                 acc[r]);
+    }
+    const __m512 sc = _mm512_loadu_ps(scale + b * kVnniRows);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 y = _mm512_mul_ps(acc[r], sc);
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + b * kVnniRows));
+      _mm512_storeu_ps(out + r * ldo + b * kVnniRows, y);
+    }
+  }
+}
+
+using Q8VnniBlockFn = void (*)(const uint8_t*, const float*, const int8_t*, const float*, const float*, float*, int64_t,
+                               int64_t, int64_t, int64_t);
+constexpr Q8VnniBlockFn kQ8VnniBlocks[kMaxRowsQ4 + 1] = {
+    nullptr,          q8_vnni_block<1>, q8_vnni_block<2>, q8_vnni_block<3>, q8_vnni_block<4>,
+    q8_vnni_block<5>, q8_vnni_block<6>, q8_vnni_block<7>, q8_vnni_block<8>};
+
+// y[M, N] (row stride ldo) = x[M, K] W^T + b, W packed by int8_pack_vnni with row scales [N].
+inline void int8_vnni_rows(const float* x, int64_t M, const int8_t* packed, const float* scale, int64_t N, int64_t K,
+                           const float* bias, float* out, int64_t ldo) {
+  const Q8Rows xq = quantize_rows_q8(x, M, K);
+  const int64_t S = (K + kQ4Super - 1) / kQ4Super;
+  std::vector<uint8_t> xu(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xu[i] = static_cast<uint8_t>(xq.q[i]) ^ 0x80;  // x + 128
+  const int64_t tile = std::max<int64_t>(1, (256 * 1024) / (kVnniRows * K));  // blocks of ~256 KB
+  at::parallel_for(0, N / kVnniRows, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t t0 = b0; t0 < b1; t0 += tile) {
+      const int64_t t1 = std::min(b1, t0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
+        const int64_t R = std::min(kMaxRowsQ4, M - m0);
+        kQ8VnniBlocks[R](xu.data() + m0 * K, xq.scale.data() + m0 * S, packed, scale, bias, out + m0 * ldo, K, ldo,
+                         t0, t1);
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------------ bf16 on AMX
 // On CPUs with AMX (Intel Sapphire Rapids and later) a bf16 layer runs on the tile unit: one
 // tdpbf16ps multiplies up to 16 input rows by 32 x 16 weights. The vector blocks above are bound by
@@ -956,18 +1065,46 @@ inline bool use_amx() {
 // w bf16 [N, K] -> the packed layout above, N * K values. A block is the 16 x 16 transpose of its rows'
 // 32-bit pairs; threads split the row pairs (a quarter of the real pair's bf16 target's 8.6 s load, the rest
 // faulting in its weights and the new pages).
+// dst (16 x 16 uint32, rows of 64 bytes) = the transpose of 16 rows of 16 uint32 at src, src_stride
+// uint16 apart (AMX hosts have AVX-512).
+__attribute__((target("avx512f"))) inline void transpose16x16_u32(const uint16_t* src, int64_t src_stride,
+                                                                  uint16_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 32, r[i]);
+}
+
 inline void amx_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
   const int64_t steps = K / kAmxK;
+  // Each 1 KB of the output is a 16 x 16 transpose of 32-bit pairs, written in order: scattering
+  // each weight row's pairs 64 bytes apart instead made packing the real pair's 1.5B target add ~1.9 s
+  // to a cold start.
   at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t h = 0; h < 2; ++h)
-        for (int64_t n = 0; n < 16; ++n) {
-          uint32_t row[kAmxK / 2];
-          for (int64_t s = 0; s < steps; ++s) {
-            std::memcpy(row, w + (p * kAmxWeightRows + h * 16 + n) * K + s * kAmxK, sizeof(row));
-            uint16_t* dst = out + ((p * steps + s) * 2 + h) * (kAmxK * 16);
-            for (int64_t j = 0; j < kAmxK / 2; ++j) std::memcpy(dst + (j * 16 + n) * 2, &row[j], 4);
-          }
+      for (int64_t s = 0; s < steps; ++s)
+        for (int64_t h = 0; h < 2; ++h) {
+          const uint16_t* src = w + (p * kAmxWeightRows + h * 16) * K + s * kAmxK;  // 16 rows, K apart
+          uint16_t* dst = out + ((p * steps + s) * 2 + h) * (kAmxK * 16);
+          transpose16x16_u32(src, K, dst);
         }
   });
 }
@@ -1083,12 +1220,12 @@ inline void amx_bf16_rows(const float* x, int64_t M, const uint16_t* packed, int
 
 // ------------------------------------------------------------------------------- one interface
 // A linear layer's weights in whichever format, as the fused decoder holds them.
-enum class Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kF32 = 3, kBf16Amx = 4 };
+enum class Format : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kF32 = 3, kBf16Amx = 4, kInt8Vnni = 5 };
 
 struct LinearWeights {
   Format format;
-  const void* w;        // bf16 [N, K] (kBf16Amx: packed by amx_pack_bf16), int8 [N, K], int4 records
-                        // [N, int4_row_bytes(K)], or fp32 [N, K]
+  const void* w;        // bf16 [N, K] (kBf16Amx: packed by amx_pack_bf16), int8 [N, K] (kInt8Vnni: packed
+                        // by int8_pack_vnni), int4 records [N, int4_row_bytes(K)], or fp32 [N, K]
   const float* scale;   // int8: [N]; else null
   const float* bias;    // fp32 [N] or null
   int64_t N, K;
@@ -1111,6 +1248,9 @@ inline void linear_any(const LinearWeights& lw, const float* x, int64_t M, float
       break;
     case Format::kBf16Amx:
       amx_bf16_rows(x, M, static_cast<const uint16_t*>(lw.w), lw.N, lw.K, lw.bias, out, ldo);
+      break;
+    case Format::kInt8Vnni:
+      int8_vnni_rows(x, M, static_cast<const int8_t*>(lw.w), lw.scale, lw.N, lw.K, lw.bias, out, ldo);
       break;
   }
 }

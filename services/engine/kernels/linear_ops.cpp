@@ -66,6 +66,24 @@ at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const 
 
 bool amx_usable() { return specd::use_amx(); }
 
+// int8 weights packed for VNNI (linear.h, "int8 packed for VNNI"), packed at each call: for tests and
+// microbenchmarks (the fused decoder packs its layers once).
+at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(specd::use_avx512_vnni(), "this CPU (or SPECD_AVX512=0) does not run AVX-512 VNNI");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D int8 tensor");
+  TORCH_CHECK(specd::vnni_shape_ok(weight.size(0), weight.size(1)), "VNNI packing needs N % 16 == 0 and K % 32 == 0");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be fp32 [N]");
+  const at::Tensor packed = at::empty({specd::vnni_packed_bytes(weight.size(0), weight.size(1))}, weight.options());
+  specd::int8_pack_vnni(weight.data_ptr<int8_t>(), weight.size(0), weight.size(1), packed.data_ptr<int8_t>());
+  const at::Tensor sc = scale.contiguous();
+  at::Tensor b;
+  const LinearWeights lw{Format::kInt8Vnni, packed.data_ptr(), sc.data_ptr<float>(), bias_ptr(bias, b, weight.size(0)),
+                         weight.size(0), weight.size(1)};
+  return run(x, lw);
+}
+
 // fp32 weights: where torch's fp32 matmul streams weights slowly at decoding's few rows (MKL's sgemm on
 // AMD CPUs: 4-16 GB/s of weights at 1-8 rows on a Zen 3 reading 26-48 GB/s), and batch invariant.
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -226,6 +244,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("amx_bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("amx_usable() -> bool", &amx_usable);
+  m.def("int8_vnni_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("quantize_int4(Tensor weight) -> Tensor");
@@ -236,6 +255,7 @@ TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
   m.impl("f32_linear", f32_linear);
   m.impl("amx_bf16_linear", amx_bf16_linear);
+  m.impl("int8_vnni_linear", int8_vnni_linear);
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
   m.impl("quantize_int4", quantize_int4);
