@@ -283,7 +283,6 @@ class AheadLane:
         if w is not None:
             self.policy.observe(w.steps, w.complete, w.idle_seconds, w.step_seconds, w.offering, self._timing)
         self.policy.round()
-        self._ended, self._timing = None, OfferTiming.NONE
 
     def finish(self, claims: list[tuple[Claim, int]]) -> None:
         """Draft the claimed branches on until each holds ``k`` guesses (their holders are the

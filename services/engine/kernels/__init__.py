@@ -83,7 +83,7 @@ def _cpu_has_avx512() -> bool:
 
 
 def _cpu_has_avx512_vnni() -> bool:
-    """The features of the 512-bit int4 super-blocks (linear.h: use_avx512_vnni)."""
+    """The features of the 512-bit int4 and int8 blocks and the packed int8 layout (linear.h: use_avx512_vnni)."""
     return _cpu_has_avx512() and _cpu_has("avx512_vnni")
 
 

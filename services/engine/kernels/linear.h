@@ -1,7 +1,8 @@
 // Linear layers y = x W^T + b over raw pointers, for bf16, fp32, weight-only int8 and int4 weights on AVX2
-// CPUs (bf16's blocks in 512-bit registers where the CPU has AVX-512, bit for bit the same; bf16 on the
-// AMX tile unit where the CPU has one, for the fused decoder, with bits of its own: "bf16 on AMX"),
-// shared by the torch ops (linear_ops.cpp) and the fused decoder forward (decoder.cpp).
+// CPUs (bf16's, int8's and int4's blocks in 512-bit registers where the CPU has AVX-512, bit for bit the
+// same; for the fused decoder, with bits of their own, bf16 on the AMX tile unit where the CPU has one,
+// "bf16 on AMX", and int8 packed for VNNI where it has AVX-512 VNNI, "int8 packed for VNNI"), shared by
+// the torch ops (linear_ops.cpp) and the fused decoder forward (decoder.cpp).
 //
 // Decoding reads every weight once per step, so each kernel is built around that stream: a weight row
 // is read once per block of input rows, and the input rows' dot products are accumulated from it.

@@ -33,6 +33,14 @@ const float* bias_ptr(const c10::optional<at::Tensor>& bias, at::Tensor& holder,
   return holder.data_ptr<float>();
 }
 
+// Weight-only int8 weights [N, K] and their row scales [N], as the int8 ops take them.
+void check_int8(const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D int8 tensor");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0) && scale.is_contiguous(),
+              "scale must be a contiguous fp32 tensor with one entry per weight row");
+}
+
 // Unquantized weights [N, K] of one dtype, read as they are.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         at::ScalarType dtype, Format format, const char* name) {
@@ -71,16 +79,13 @@ bool amx_usable() { return specd::use_amx(); }
 at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(specd::use_avx512_vnni(), "this CPU (or SPECD_AVX512=0) does not run AVX-512 VNNI");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
-              "weight must be a contiguous 2-D int8 tensor");
+  check_int8(weight, scale);
   TORCH_CHECK(specd::vnni_shape_ok(weight.size(0), weight.size(1)), "VNNI packing needs N % 16 == 0 and K % 32 == 0");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be fp32 [N]");
   const at::Tensor packed = at::empty({specd::vnni_packed_bytes(weight.size(0), weight.size(1))}, weight.options());
   specd::int8_pack_vnni(weight.data_ptr<int8_t>(), weight.size(0), weight.size(1), packed.data_ptr<int8_t>());
-  const at::Tensor sc = scale.contiguous();
   at::Tensor b;
-  const LinearWeights lw{Format::kInt8Vnni, packed.data_ptr(), sc.data_ptr<float>(), bias_ptr(bias, b, weight.size(0)),
-                         weight.size(0), weight.size(1)};
+  const LinearWeights lw{Format::kInt8Vnni, packed.data_ptr(), scale.data_ptr<float>(),
+                         bias_ptr(bias, b, weight.size(0)), weight.size(0), weight.size(1)};
   return run(x, lw);
 }
 
@@ -93,10 +98,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 // Weight-only int8 with one fp32 scale per output row: w[n, k] ~= weight[n, k] * scale[n].
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
-              "weight must be a contiguous 2-D int8 tensor");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0) && scale.is_contiguous(),
-              "scale must be a contiguous fp32 tensor with one entry per weight row");
+  check_int8(weight, scale);
   at::Tensor b;
   const LinearWeights lw{Format::kInt8, weight.data_ptr(), scale.data_ptr<float>(), bias_ptr(bias, b, weight.size(0)),
                          weight.size(0), weight.size(1)};
