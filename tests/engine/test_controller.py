@@ -24,6 +24,7 @@ from specd.services.engine.controller import (
     choose_blocks,
     choose_seeded,
     expected_tokens,
+    plain_choice,
 )
 
 KMAX = 6
@@ -197,6 +198,35 @@ def test_a_few_rows_are_chosen_in_plain_python_as_by_the_arrays(seed: int) -> No
         assert (got.width, got.model_steps) == (want.width, want.model_steps)
         assert got.expected_tokens == pytest.approx(want.expected_tokens, rel=1e-12)
         assert got.expected_cost == pytest.approx(want.expected_cost, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_plain_round_is_priced_as_the_grid_held_at_width_zero(seed: int) -> None:
+    """plain_choice (the plain round a batch's choice must beat by batch_margin) is what choose_blocks
+    and _choose_few choose with the width held at 0: no guesses, a token per row, the same cost."""
+    rng = np.random.default_rng(700 + seed)
+    for case in range(20):
+        B = int(rng.integers(2, 20))
+        acc = rng.uniform(0, 1, (B, 2, KMAX))
+        match = rng.integers(0, KMAX + 3, B)
+        model_ok = rng.random(B) < 0.7
+        cap = rng.integers(0, KMAX + 1, B)
+        base = _random_cost(rng)
+        steps = list(rng.uniform(-2e-4, 2e-4, int(rng.integers(1, 60)))) if case % 2 else None
+        cost = CostModel(
+            base.v0, base.v_row, base.v_token, base.d0, base.d_step, base.d_step_row,
+            v_key=float(rng.uniform(0, 1e-6)), d_catch=base.d_catch, by_tokens=steps,
+        )  # fmt: skip
+        keys = int(rng.integers(0, 3000))
+        got = plain_choice(B, cost, keys)
+        grids = [choose_blocks(acc, match, model_ok, cap, cost, width_range=(0, 0), keys=keys)]
+        if B <= controller_module.FEW_ROWS:
+            grids.append(_choose_few(acc.tolist(), match.tolist(), model_ok.tolist(), cap.tolist(), cost, (0, 0), keys))
+        for want in grids:
+            assert (got.ks.tolist(), got.drafters.tolist()) == (want.ks.tolist(), want.drafters.tolist())
+            assert (got.width, got.model_steps) == (want.width, want.model_steps) == (0, 0)
+            assert got.expected_tokens == want.expected_tokens == B
+            assert got.expected_cost == pytest.approx(want.expected_cost, rel=1e-12)
 
 
 @pytest.mark.parametrize("rows", [2, 5, 8])
@@ -748,7 +778,8 @@ def test_a_batch_speculates_only_where_it_promises_the_margin(rows: int, low_rat
 
 def test_a_batch_that_chose_plain_rounds_rests_from_planning() -> None:
     """After a plan that speculates nowhere at a batch of more than one, dormant() holds the next
-    dormant_rounds rounds plain without planning; not after a speculating plan or at a batch of one."""
+    dormant_rounds rounds plain without planning; not after a speculating plan, at a batch of one,
+    or where no row could guess."""
     cost = CostModel(v0=4e-3, v_row=0.0, v_token=0.05e-3, d0=0.5e-3, d_step=0.2e-3)
 
     def controller(rate: float) -> SpeculationController:
@@ -769,6 +800,10 @@ def test_a_batch_that_chose_plain_rounds_rests_from_planning() -> None:
     alone = controller(0.0)
     assert alone.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True)], KMAX).width == 0
     assert rests(alone) == [False] * 7
+    # No row able to guess (the draft not ready for any, no n-gram match): plain, and no rest.
+    unable = controller(0.9)
+    assert unable.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, False) for _ in range(4)], KMAX).width == 0
+    assert rests(unable) == [False] * 7
 
 
 def test_rests_double_while_plans_keep_resting_and_start_short_again() -> None:
