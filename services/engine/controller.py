@@ -294,6 +294,7 @@ def _choose_few(
                 e.append(1.0 + total)
             out.append(e)
     ng_cap = [min(int(m), c) for m, c in zip(match_len, caps)]
+    top_ng = max(ng_cap, default=0)
     lo, hi = width_range if width_range is not None else (0, kmax)
     hi = max(min(hi, kmax), 0)
     lo = min(max(lo, 0), hi)
@@ -322,7 +323,10 @@ def _choose_few(
         for W in range(lo, hi + 1):
             ng_used = [min(n, W) for n in ng_cap]
             base = [e_ng[b][ng_used[b]] for b in rows]
-            for Km in range(W + 1):
+            # A W past every n-gram match, the range's floor and Km changes nothing from W = max of
+            # those (the same guesses, tokens and cost), which comes first and so wins any tie:
+            # skipped. With no match anywhere, 6 of the 21 (W, Km) pairs at kmax = 5 remain.
+            for Km in range(W + 1) if W <= max(lo, top_ng) else range(W, W + 1):
                 step_row = Km * cost.d_step_row
                 em = e_model[Km]
                 tokens, bm, caught_up, widest_ng = 0.0, 0, 0.0, 0
