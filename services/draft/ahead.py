@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specd.services.engine.drafters import ALTERNATIVES, ModelDrafter, likeliest, other_than
+from specd.services.engine.drafters import ALTERNATIVES, ModelDrafter, likeliest, other_than_list
 from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
 from specd.services.engine.sparse import to_sparse, truncate_probs
 from specd.services.engine.transfer import to_device
@@ -410,10 +410,10 @@ class AheadLane:
         for h, pos in zip(holders, positions):
             self.drafter.wrote(h, pos + 1)
         tokens, top = likeliest(logits)  # argmax, and [R, A + 1] for the bonus branches' tokens
-        tokens = tokens.clone()  # sampled rows overwrite theirs
         sampled = [i for i, (p, b) in enumerate(rows) if b is not None and not p.greedy]
         ids = probs = None
         if sampled:
+            tokens = tokens.clone()  # sampled rows overwrite theirs
             # The same processing, truncation and inverse-CDF draw as ModelDrafter._propose.
             idx = to_device(sampled, device)
             sampling = BatchSampling.from_params([rows[i][0].params for i in sampled], device)
@@ -423,15 +423,14 @@ class AheadLane:
             u = to_device(torch.stack([rows[i][0].u[len(rows[i][1].tokens)] for i in sampled]), device)
             tokens[idx] = sample_from(q, u)
             ids, probs = (t.cpu().numpy() for t in to_sparse(q, self.support))
-        alts = other_than(top, tokens)  # [R, A]: each guess's likeliest replacements, as ModelDrafter's
-        host_tokens, host_alts, host_top = tokens.tolist(), alts.tolist(), top.tolist()  # one sync
+        host_tokens, host_top = tokens.tolist(), top.tolist()  # one sync
         where = {i: n for n, i in enumerate(sampled)}
         for i, (p, b) in enumerate(rows):
             if b is None:
                 self._branch_on_bonus(p, host_top[i])
                 continue
             b.tokens.append(host_tokens[i])
-            b.alternatives.append(host_alts[i])
+            b.alternatives.append(other_than_list(host_top[i], host_tokens[i]))  # as ModelDrafter's
             if i in where:
                 keep = probs[where[i]] > 0.0  # the wire carries only the support
                 b.sparse_ids.append(ids[where[i]][keep])

@@ -109,13 +109,20 @@ ALTERNATIVES = 2
 
 
 def other_than(top: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """``top`` [B, n + 1] (each row's likeliest tokens, likeliest first) without ``chosen`` [B]: [B, n],
-    in the same order; where chosen is not among them, the last one goes instead."""
+    """``top`` [..., n + 1] (each row's likeliest tokens, likeliest first) without ``chosen`` [...]:
+    [..., n], in the same order; where chosen is not among them, the last one goes instead."""
     n = top.shape[-1] - 1
-    keep = top != chosen[:, None]
+    keep = top != chosen.unsqueeze(-1)
     last = torch.arange(n + 1, device=top.device) == n
     keep &= ~(keep.all(dim=-1, keepdim=True) & last)
-    return top[keep].view(-1, n)
+    return top[keep].view(*top.shape[:-1], n)
+
+
+def other_than_list(top: list[int], chosen: int) -> list[int]:
+    """:func:`other_than` for one row held on the host (a drafting-ahead step has its rows' tokens
+    there already, and the tensor version's eight small ops cost a tenth of its step)."""
+    rest = [t for t in top if t != chosen]
+    return rest[: len(top) - 1]
 
 
 def likeliest(logits: torch.Tensor, n: int = ALTERNATIVES) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,7 +473,7 @@ class ModelDrafter:
         any_sampled = not all(r.greedy for r in rows)
         u = uniforms((K,), [r.seed for r in rows], B, device) if any_sampled else None  # [B, K]
         logits = self._catch_up(pending, slots, starts)  # [B, 1, V]
-        tokens, probs, alts = [], [], []
+        tokens, probs, tops = [], [], []
         for j in range(K):
             if alternatives:
                 best, top = likeliest(logits[:, 0])  # argmax, and the tokens the replacements come from
@@ -482,7 +489,7 @@ class ModelDrafter:
                 tok = best
             tokens.append(tok)
             if alternatives:
-                alts.append(other_than(top, tok))
+                tops.append(top)
             if j + 1 < K:
                 positions = [len(r.tokens) + j for r in rows]
                 layout = self.cache.layout(slots, positions, 1, device)
@@ -497,6 +504,7 @@ class ModelDrafter:
         return Proposal(
             token_ids,
             torch.stack(probs, dim=1) if any_sampled else None,
-            torch.stack(alts, dim=1) if alternatives else None,
+            # One pass for every step's replacements (its small ops cost 0.05 ms a step on a CPU).
+            other_than(torch.stack(tops, dim=1), torch.stack(tokens, dim=1)) if alternatives else None,
             sum(max(0, len(p) - CATCH_UP_TOKENS) for p in pending),
         )

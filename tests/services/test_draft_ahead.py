@@ -27,7 +27,7 @@ from specd.services.draft.ahead import (
 from specd.services.draft.server import DraftServerConfig, build_worker
 from specd.services.draft.worker import BlockError, DraftWorker, OpenSeq, ProposeReq
 from specd.services.engine.builder import load_tokenizer
-from specd.services.engine.drafters import ALTERNATIVES, likeliest, other_than
+from specd.services.engine.drafters import ALTERNATIVES, likeliest, other_than, other_than_list
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.kv_cache import PagedKVCache
 from specd.services.engine.model import load_model
@@ -507,6 +507,17 @@ def test_replacements_are_the_likeliest_tokens_other_than_the_guess() -> None:
     top = torch.tensor([[7, 3, 9], [7, 3, 9], [7, 3, 9], [7, 3, 9]])
     chosen = torch.tensor([7, 3, 9, 5])
     assert other_than(top, chosen).tolist() == [[3, 9], [7, 9], [7, 3], [7, 3]]
+    # The host version (a drafting-ahead step), and blocks of steps at once (a fresh proposal).
+    assert [other_than_list(t, c) for t, c in zip(top.tolist(), chosen.tolist())] == [[3, 9], [7, 9], [7, 3], [7, 3]]
+    g = torch.Generator().manual_seed(5)
+    tops = torch.stack([torch.randperm(50, generator=g)[: ALTERNATIVES + 1] for _ in range(24)]).view(4, 6, -1)
+    picks = torch.where(torch.rand(4, 6, generator=g) < 0.7, tops[..., 0], torch.randint(0, 50, (4, 6), generator=g))
+    blocks = other_than(tops, picks)
+    assert blocks.shape == (4, 6, ALTERNATIVES)
+    for b in range(4):
+        assert torch.equal(blocks[b], other_than(tops[b], picks[b]))
+        for j in range(6):
+            assert blocks[b, j].tolist() == other_than_list(tops[b, j].tolist(), int(picks[b, j]))
 
 
 def test_likeliest_is_argmax_and_topk_from_one_pass_ties_included() -> None:
