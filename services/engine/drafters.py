@@ -120,7 +120,7 @@ def other_than(top: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 
 def other_than_list(top: list[int], chosen: int) -> list[int]:
     """:func:`other_than` for one row held on the host (a drafting-ahead step has its rows' tokens
-    there already, and the tensor version's eight small ops cost a tenth of its step)."""
+    there already, and the tensor version's eight small ops cost a sixth of its step)."""
     rest = [t for t in top if t != chosen]
     return rest[: len(top) - 1]
 
