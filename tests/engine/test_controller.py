@@ -133,6 +133,17 @@ def _random_cost(rng: np.random.Generator) -> CostModel:
     return CostModel(v0, v_row, v_token, d0, d_step, d_step_row, d_catch=d_catch)
 
 
+def _random_context_cost(rng: np.random.Generator, staircase: bool, per_row_steps: bool = True) -> CostModel:
+    """_random_cost with a price per cached token and, where ``staircase``, deviations by verified
+    tokens (CostModel.by_tokens); ``per_row_steps`` False drops the draft's per-row step cost."""
+    base = _random_cost(rng)
+    steps = list(rng.uniform(-2e-4, 2e-4, int(rng.integers(1, 60)))) if staircase else None
+    return CostModel(
+        base.v0, base.v_row, base.v_token, base.d0, base.d_step, base.d_step_row * per_row_steps,
+        v_key=float(rng.uniform(0, 1e-6)), d_catch=base.d_catch, by_tokens=steps,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_properties_on_random_batches(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -178,12 +189,7 @@ def test_a_few_rows_are_chosen_in_plain_python_as_by_the_arrays(seed: int) -> No
         match = rng.integers(0, KMAX + 3, B)
         model_ok = rng.random(B) < 0.7
         cap = rng.integers(0, KMAX + 1, B)
-        base = _random_cost(rng)
-        steps = list(rng.uniform(-2e-4, 2e-4, int(rng.integers(1, 60)))) if case % 2 else None
-        cost = CostModel(
-            base.v0, base.v_row, base.v_token, base.d0, base.d_step, base.d_step_row * (case % 3 > 0),
-            v_key=float(rng.uniform(0, 1e-6)), d_catch=base.d_catch, by_tokens=steps,
-        )  # fmt: skip
+        cost = _random_context_cost(rng, staircase=case % 2 == 1, per_row_steps=case % 3 > 0)
         catch_up = np.where(rng.random(B) < 0.3, rng.integers(1, 60, B), 0) / 8.0
         keys = int(rng.integers(0, 3000))
         width_range = None
@@ -211,12 +217,7 @@ def test_a_plain_round_is_priced_as_the_grid_held_at_width_zero(seed: int) -> No
         match = rng.integers(0, KMAX + 3, B)
         model_ok = rng.random(B) < 0.7
         cap = rng.integers(0, KMAX + 1, B)
-        base = _random_cost(rng)
-        steps = list(rng.uniform(-2e-4, 2e-4, int(rng.integers(1, 60)))) if case % 2 else None
-        cost = CostModel(
-            base.v0, base.v_row, base.v_token, base.d0, base.d_step, base.d_step_row,
-            v_key=float(rng.uniform(0, 1e-6)), d_catch=base.d_catch, by_tokens=steps,
-        )  # fmt: skip
+        cost = _random_context_cost(rng, staircase=case % 2 == 1)
         keys = int(rng.integers(0, 3000))
         got = plain_choice(B, cost, keys)
         grids = [choose_blocks(acc, match, model_ok, cap, cost, width_range=(0, 0), keys=keys)]
