@@ -744,6 +744,15 @@ __attribute__((always_inline)) inline void q8_superblock_end(__m256i i32, float 
   }
 }
 
+// q8_block's per-output accumulators, zeroed before a group of weight rows.
+template <int R, int NR>
+__attribute__((always_inline)) inline void q8_clear(__m256 (&acc)[NR][R], float (&tail)[NR][R]) {
+#pragma GCC unroll 2
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps(), tail[j][r] = 0.0f;
+}
+
 // q8_block's outputs for weight rows n..n+NR-1: the lanes' sum and the tail, times the row scale, plus bias.
 template <int R, int NR>
 __attribute__((always_inline)) inline void q8_store(const __m256 (&acc)[NR][R], const float (&tail)[NR][R],
@@ -769,10 +778,7 @@ void q8_block(const Q8Rows& xq, int64_t m0, const int8_t* w, const float* scale,
   for (; n + NR <= n1; n += NR) {
     __m256 acc[NR][R];
     float tail[NR][R];
-#pragma GCC unroll 2
-    for (int j = 0; j < NR; ++j)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps(), tail[j][r] = 0.0f;
+    q8_clear<R, NR>(acc, tail);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t k0 = s * kQ4Super, k1 = std::min(K, k0 + kQ4Super), k32 = k0 + (k1 - k0) / 32 * 32;
       __m256i isum[NR][R];
@@ -832,10 +838,7 @@ SPECD_AVX512_VNNI void q8_block_avx512(const Q8Rows& xq, int64_t m0, const int8_
   for (; n + NR <= n1; n += NR) {
     __m256 acc[NR][R];
     float tail[NR][R];
-#pragma GCC unroll 2
-    for (int j = 0; j < NR; ++j)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps(), tail[j][r] = 0.0f;
+    q8_clear<R, NR>(acc, tail);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t k0 = s * kQ4Super, k1 = std::min(K, k0 + kQ4Super), k32 = k0 + (k1 - k0) / 32 * 32;
       const int64_t k64 = k0 + (k32 - k0) / 64 * 64;
