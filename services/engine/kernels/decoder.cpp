@@ -326,7 +326,7 @@ class FusedDecoder : public torch::CustomClassHolder {
     const int64_t G = H_ / Hkv_, chunks = (T + 31) / 32;
     const int64_t B = R / T;
     at::parallel_for(0, B * Hkv_ * chunks, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores, acc(G * D_), kbuf, vbuf;
+      std::vector<float> scores, kbuf, vbuf;
       std::vector<int64_t> rows;
       for (int64_t item = i0; item < i1; ++item) {
         const int64_t b = item / (Hkv_ * chunks), g = item / chunks % Hkv_, c = item % chunks;
@@ -337,60 +337,73 @@ class FusedDecoder : public torch::CustomClassHolder {
         if (r1 - r0 == 1) {
           auto k_at = [&](int64_t j) { return KeyBf16{kc + (rows[j] * Hkv_ + g) * D_}; };
           auto v_at = [&](int64_t j) { return KeyBf16{vc + (rows[j] * Hkv_ + g) * D_}; };
-          attend(qkv, r0, g, pos[r0] + 1, k_at, v_at, scores, acc, out);
+          attend(qkv, r0, g, pos[r0] + 1, k_at, v_at, scores, out);
           continue;
         }
-        kbuf.resize(n_max * D_), vbuf.resize(n_max * D_);
+        const int64_t D = D_;
+        kbuf.resize(n_max * D), vbuf.resize(n_max * D);
+        float* kb = kbuf.data();
+        float* vb = vbuf.data();
         for (int64_t j = 0; j < n_max; ++j) {
-          const uint16_t* kp = kc + (rows[j] * Hkv_ + g) * D_;
-          const uint16_t* vp = vc + (rows[j] * Hkv_ + g) * D_;
-          for (int64_t i = 0; i < D_; i += 8) {
-            _mm256_storeu_ps(kbuf.data() + j * D_ + i, load_bf16x8(kp + i));
-            _mm256_storeu_ps(vbuf.data() + j * D_ + i, load_bf16x8(vp + i));
+          if (j + kPrefetch < n_max) {
+            prefetch_row(kc + (rows[j + kPrefetch] * Hkv_ + g) * D, D);
+            prefetch_row(vc + (rows[j + kPrefetch] * Hkv_ + g) * D, D);
+          }
+          const uint16_t* kp = kc + (rows[j] * Hkv_ + g) * D;
+          const uint16_t* vp = vc + (rows[j] * Hkv_ + g) * D;
+          for (int64_t i = 0; i < D; i += 8) {
+            _mm256_storeu_ps(kb + j * D + i, load_bf16x8(kp + i));
+            _mm256_storeu_ps(vb + j * D + i, load_bf16x8(vp + i));
           }
         }
         auto k_at = [&](int64_t j) { return KeyF32{kbuf.data() + j * D_}; };
         auto v_at = [&](int64_t j) { return KeyF32{vbuf.data() + j * D_}; };
-        for (int64_t r = r0; r < r1; ++r) attend(qkv, r, g, pos[r] + 1, k_at, v_at, scores, acc, out);
+        for (int64_t r = r0; r < r1; ++r) attend(qkv, r, g, pos[r] + 1, k_at, v_at, scores, out);
       }
     });
+  }
+
+  // A cache row of one KV head is D bf16 values, and consecutive positions are Hkv * D apart (further
+  // across a block boundary): too far apart for the hardware's prefetcher to follow within a page.
+  // Positions are fetched this far ahead.
+  static constexpr int64_t kPrefetch = 8;
+
+  static void prefetch_row(const uint16_t* p, int64_t D) {
+    for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
   }
 
   struct KeyBf16 {  // 8 lanes of a bf16 cache row, widened
     const uint16_t* p;
     __m256 at(int64_t i) const { return load_bf16x8(p + i); }
+    void prefetch(int64_t D) const { prefetch_row(p, D); }
   };
-  struct KeyF32 {  // 8 lanes of a row already widened
+  struct KeyF32 {  // 8 lanes of a row already widened (in cache: the pass just wrote it)
     const float* p;
     __m256 at(int64_t i) const { return _mm256_loadu_ps(p + i); }
+    void prefetch(int64_t) const {}
   };
 
   // Row r's G query heads of KV head g against positions [0, n).
+  //
+  // Each lane's arithmetic is fixed, whatever the loops around it: a score is two FMA chains over the
+  // head's lanes (i and i + 8 of every 16) and one hsum; an output lane is one FMA chain over the
+  // positions in order. The loops only interleave independent chains (four positions' scores; up to
+  // eight accumulators of outputs kept in registers), so the core overlaps them instead of waiting on
+  // each FMA's latency and on stores to a memory accumulator: attention was half of a 5-row pass of
+  // the demo target at 600 positions.
   template <typename KAt, typename VAt>
   void attend(const float* qkv, int64_t r, int64_t g, int64_t n, const KAt& k_at, const VAt& v_at,
-              std::vector<float>& scores, std::vector<float>& acc, float* out) const {
+              std::vector<float>& scores, float* out) const {
     const int64_t QKV = (H_ + 2 * Hkv_) * D_, G = H_ / Hkv_, D = D_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     scores.resize(G * n);
     const float* q = qkv + r * QKV + g * G * D;
-    for (int64_t j = 0; j < n; ++j) {
-      const auto k = k_at(j);
-      for (int64_t hq = 0; hq < G; ++hq) {
-        const float* qh = q + hq * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < D; i += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), k.at(i), a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), k.at(i + 8), a1);
-        }
-        scores[hq * n + j] = specd::hsum(_mm256_add_ps(a0, a1)) * scale;
-      }
-    }
+    for (int64_t hq = 0; hq < G; ++hq) score_head(q + hq * D, n, scale, k_at, scores.data() + hq * n);
     float total[64];
     TORCH_CHECK(G <= 64, "more than 64 query heads per KV head");
     for (int64_t hq = 0; hq < G; ++hq) {
       float* s = scores.data() + hq * n;
-      float m = s[0];
-      for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+      const float m = max_of(s, n);
       const __m256 mv = _mm256_set1_ps(m);
       __m256 sum8 = _mm256_setzero_ps();
       int64_t j = 0;
@@ -404,23 +417,109 @@ class FusedDecoder : public torch::CustomClassHolder {
         s[j] = exp1(s[j] - m);
         sum += s[j];
       }
-      total[hq] = sum;
+      total[hq] = 1.0f / sum;
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      const auto v = v_at(j);
-      for (int64_t i = 0; i < D; i += 8) {
-        const __m256 vv = v.at(i);
-        for (int64_t hq = 0; hq < G; ++hq) {
-          float* a = acc.data() + hq * D + i;
-          _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[hq * n + j]), vv, _mm256_loadu_ps(a)));
-        }
+    float* o = out + r * H_ * D + g * G * D;
+    const int64_t vectors = D / 8;
+    for (int64_t h0 = 0; h0 < G; h0 += 8) {
+      const int64_t heads = std::min<int64_t>(8, G - h0);
+      const float* s = scores.data() + h0 * n;
+      float* oh = o + h0 * D;
+      switch (heads) {  // lanes per pass: as many vectors as fit eight accumulators and divide the head
+        case 1:
+          if (vectors % 8 == 0) weigh<1, 8>(s, n, v_at, vectors, total + h0, oh);
+          else if (vectors % 4 == 0) weigh<1, 4>(s, n, v_at, vectors, total + h0, oh);
+          else if (vectors % 2 == 0) weigh<1, 2>(s, n, v_at, vectors, total + h0, oh);
+          else weigh<1, 1>(s, n, v_at, vectors, total + h0, oh);
+          break;
+        case 2:
+          if (vectors % 4 == 0) weigh<2, 4>(s, n, v_at, vectors, total + h0, oh);
+          else if (vectors % 2 == 0) weigh<2, 2>(s, n, v_at, vectors, total + h0, oh);
+          else weigh<2, 1>(s, n, v_at, vectors, total + h0, oh);
+          break;
+        case 3: weigh<3, 1>(s, n, v_at, vectors, total + h0, oh); break;
+        case 4:
+          if (vectors % 2 == 0) weigh<4, 2>(s, n, v_at, vectors, total + h0, oh);
+          else weigh<4, 1>(s, n, v_at, vectors, total + h0, oh);
+          break;
+        case 5: weigh<5, 1>(s, n, v_at, vectors, total + h0, oh); break;
+        case 6: weigh<6, 1>(s, n, v_at, vectors, total + h0, oh); break;
+        case 7: weigh<7, 1>(s, n, v_at, vectors, total + h0, oh); break;
+        default: weigh<8, 1>(s, n, v_at, vectors, total + h0, oh); break;
       }
     }
-    for (int64_t hq = 0; hq < G; ++hq) {
-      float* o = out + r * H_ * D + (g * G + hq) * D;
-      const float inv = 1.0f / total[hq];
-      for (int64_t i = 0; i < D; ++i) o[i] = acc[hq * D + i] * inv;
+  }
+
+  // The largest of s[0..n), n >= 1, eight lanes at a time (max is exact: any order gives the same value).
+  static float max_of(const float* s, int64_t n) {
+    float m = s[0];
+    int64_t j = 0;
+    if (n >= 8) {
+      __m256 m8 = _mm256_loadu_ps(s);
+      for (j = 8; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, m8);
+      for (float x : lanes) m = std::max(m, x);
+    }
+    for (; j < n; ++j) m = std::max(m, s[j]);
+    return m;
+  }
+
+  // s[j] = (q . K[j]) * scale for j < n, four positions at a time.
+  template <typename KAt>
+  void score_head(const float* qh, int64_t n, float scale, const KAt& k_at, float* s) const {
+    const int64_t D = D_;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      for (int64_t f = j + kPrefetch; f < std::min(n, j + kPrefetch + 4); ++f) k_at(f).prefetch(D);
+      const auto k0 = k_at(j), k1 = k_at(j + 1), k2 = k_at(j + 2), k3 = k_at(j + 3);
+      __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+      for (int64_t i = 0; i < D; i += 16) {
+        const __m256 x = _mm256_loadu_ps(qh + i), y = _mm256_loadu_ps(qh + i + 8);
+        a0 = _mm256_fmadd_ps(x, k0.at(i), a0), b0 = _mm256_fmadd_ps(y, k0.at(i + 8), b0);
+        a1 = _mm256_fmadd_ps(x, k1.at(i), a1), b1 = _mm256_fmadd_ps(y, k1.at(i + 8), b1);
+        a2 = _mm256_fmadd_ps(x, k2.at(i), a2), b2 = _mm256_fmadd_ps(y, k2.at(i + 8), b2);
+        a3 = _mm256_fmadd_ps(x, k3.at(i), a3), b3 = _mm256_fmadd_ps(y, k3.at(i + 8), b3);
+      }
+      s[j] = specd::hsum(_mm256_add_ps(a0, b0)) * scale;
+      s[j + 1] = specd::hsum(_mm256_add_ps(a1, b1)) * scale;
+      s[j + 2] = specd::hsum(_mm256_add_ps(a2, b2)) * scale;
+      s[j + 3] = specd::hsum(_mm256_add_ps(a3, b3)) * scale;
+    }
+    for (; j < n; ++j) {
+      const auto k = k_at(j);
+      __m256 a = _mm256_setzero_ps(), b = a;
+      for (int64_t i = 0; i < D; i += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), k.at(i), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), k.at(i + 8), b);
+      }
+      s[j] = specd::hsum(_mm256_add_ps(a, b)) * scale;
+    }
+  }
+
+  // o[h * D + lane] = inv[h] * sum_j p[h * n + j] V[j][lane] for HEADS heads, NB 8-lane vectors of a
+  // head per pass over the positions (HEADS * NB accumulators in registers).
+  template <int HEADS, int NB, typename VAt>
+  void weigh(const float* p, int64_t n, const VAt& v_at, int64_t vectors, const float* inv, float* o) const {
+    const int64_t D = D_;
+    for (int64_t v0 = 0; v0 < vectors; v0 += NB) {
+      __m256 acc[HEADS][NB];
+      for (int h = 0; h < HEADS; ++h)
+        for (int t = 0; t < NB; ++t) acc[h][t] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        if (v0 == 0 && j + kPrefetch < n) v_at(j + kPrefetch).prefetch(D);
+        const auto v = v_at(j);
+        __m256 vv[NB];
+        for (int t = 0; t < NB; ++t) vv[t] = v.at((v0 + t) * 8);
+        for (int h = 0; h < HEADS; ++h) {
+          const __m256 w = _mm256_set1_ps(p[h * n + j]);
+          for (int t = 0; t < NB; ++t) acc[h][t] = _mm256_fmadd_ps(w, vv[t], acc[h][t]);
+        }
+      }
+      for (int h = 0; h < HEADS; ++h) {
+        const __m256 iv = _mm256_set1_ps(inv[h]);
+        for (int t = 0; t < NB; ++t) _mm256_storeu_ps(o + h * D + (v0 + t) * 8, _mm256_mul_ps(acc[h][t], iv));
+      }
     }
   }
 
