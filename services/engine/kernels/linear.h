@@ -1215,10 +1215,17 @@ SPECD_AMX inline void amx_span(const uint16_t* hi, const uint16_t* lo, int64_t M
 // linear_rows.
 inline void amx_bf16_rows(const float* x, int64_t M, const uint16_t* packed, int64_t N, int64_t K,
                           const float* bias, float* out, int64_t ldo) {
-  std::vector<uint16_t> hi(M * K), lo(M * K);
-  split_bf16(x, M, K, hi.data(), lo.data());
+  // hi and lo from a 64-byte boundary (K % 32 == 0, so every row of them starts on one): a tile row
+  // is 64 bytes, one cache line when aligned and two when not. A vector's 16-byte alignment made
+  // every x tile load split lines, and each 16 rows past the first cost 1.4-1.7x as much (a
+  // 2752 x 512 layer at 64 rows, weights in L2, 62 -> 44 cycles per tile product).
+  std::vector<uint16_t> buffer(2 * M * K + 32);
+  const auto base = reinterpret_cast<std::uintptr_t>(buffer.data());
+  uint16_t* hi = reinterpret_cast<uint16_t*>((base + 63) & ~static_cast<std::uintptr_t>(63));
+  uint16_t* lo = hi + M * K;
+  split_bf16(x, M, K, hi, lo);
   at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t p0, int64_t p1) {
-    amx_span(hi.data(), lo.data(), M, packed, K, bias, out, ldo, p0, p1);
+    amx_span(hi, lo, M, packed, K, bias, out, ldo, p0, p1);
   });
 }
 
