@@ -61,8 +61,7 @@ class CostModel:
     d_catch: float = 0.0  # draft model: per committed token fed before guessing (catch-up)
     # Measured deviation from the line, seconds, by the round's verified tokens B * (W + 1) (0 past
     # its end). Kernels work on blocks of rows, so a verified token more costs a staircase, not a
-    # line: on this CPU the bf16 vector kernel takes 3 rows per pass over the weights, the tile
-    # unit 16.
+    # line: on this CPU the bf16 kernel takes 3 rows per pass over the weights.
     # A list, not an array: a batch of one prices its options one by one every round, where
     # indexing a list costs a fraction of an array (the batched path makes the array once, lazily).
     by_tokens: Sequence[float] | None = field(default=None, compare=False, repr=False)
@@ -792,43 +791,6 @@ _VERIFY_SHAPE = (1.0, 0.1, 0.1, 3e-4)  # v0, v_row, v_token, v_key
 _DRAFT_SHAPE = (0.02, 0.12, 0.03, 0.01)  # d0, d_step, d_step_row, d_catch
 
 
-def monotone_steps(v_token: float, steps: Sequence[float], counts: Sequence[float], length: int = 0) -> list[float]:
-    """The staircase's deviations made to price no count of verified tokens below a smaller one.
-
-    Verifying more tokens never costs less (a kernel works in blocks of rows: 17 cost what 32 do,
-    never less than 16), but each count's deviation is a noisy mean of its own rounds, and a count
-    seen a few times can come out cheaper than one below it. In the stack at 4 rows the count of
-    24 tokens (k = 5) was priced 1-2 ms below 20 (k = 4), and ``auto``, choosing the best-looking
-    width, ran k = 5 where k = 3 was 9% faster: a width whose price errs low is the one chosen.
-    ``v_token * t + steps[t]`` over the counts seen (``counts[t] > 0``) is replaced by its weighted
-    isotonic (non-decreasing) fit, pooling adjacent violators with their counts as weights; a count
-    never seen keeps the bare line, held between the fitted neighbours around it (past the last
-    count seen, up to ``length``: at least the price of that count)."""
-    seen = [t for t, n in enumerate(counts) if n > 0]
-    # Pool adjacent violators: blocks of [value, weight, members].
-    blocks: list[list] = []
-    for t in seen:
-        blocks.append([v_token * t + steps[t], counts[t], [t]])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            value, weight, members = blocks.pop()
-            b = blocks[-1]
-            b[0] = (b[0] * b[1] + value * weight) / (b[1] + weight)
-            b[1] += weight
-            b[2].extend(members)
-    fitted = {t: value for value, _, members in blocks for t in members}
-    out = list(steps) + [0.0] * max(0, length - len(steps))
-    below, j = float("-inf"), 0
-    for t in range(len(out)):
-        if t in fitted:
-            below = fitted[t]
-            out[t] = below - v_token * t
-            j += 1
-            continue
-        above = fitted[seen[j]] if j < len(seen) else float("inf")
-        out[t] = min(max(v_token * t, below), above) - v_token * t
-    return out
-
-
 def _cost(verify: Sequence[float], draft: Sequence[float], by_tokens: Sequence[float] | None = None) -> CostModel:
     v0, v_row, v_token, v_key = (float(x) for x in verify)
     d0, d_step, d_step_row, d_catch = (float(x) for x in draft)
@@ -937,18 +899,16 @@ class SpeculationController:
         # verify cost at the measured level.
         level = v[0] / _VERIFY_SHAPE[0]
         d = self.draft_fit.coef() if self.draft_fit.fitted else [x * level for x in _DRAFT_SHAPE]
-        # The staircase: each count of verified tokens seen, its mean deviation from this line,
-        # made non-decreasing in the count (monotone_steps; past the most tokens verified yet, at
-        # least the price of that count). Deviations kept from the line of their day went stale at
-        # every refit, and a refit that moved the line by a few milliseconds left the price of a
-        # width the batch rarely runs (a plain round, say) off by as much.
+        # The staircase up to the most tokens verified yet (0 past it, as for a count never seen):
+        # each count's mean deviation from this line. Deviations kept from the line of their day
+        # went stale at every refit, and a refit that moved the line by a few milliseconds left
+        # the price of a width the batch rarely runs (a plain round, say) off by as much.
         top, w = self._step_top, self.cfg.step_prior_weight
-        counts = self._step_n[:top]
         steps = [
             (y - v[0] * x[0] - v[1] * x[1] - v[2] * x[2] - v[3] * x[3]) / (n + w) if n else 0.0
-            for y, x, n in zip(self._step_y[:top], self._step_x[:top], counts)
+            for y, x, n in zip(self._step_y[:top], self._step_x[:top], self._step_n[:top])
         ]
-        return _cost(v, d, monotone_steps(v[2], steps, counts, self.cfg.step_tokens if top else 0))
+        return _cost(v, d, steps)
 
     # ------------------------------------------------------------------------- planning
 

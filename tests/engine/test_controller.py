@@ -670,53 +670,6 @@ def test_a_staircase_verify_cost_is_learned(learn_steps: bool, seed: int) -> Non
         assert mode != 5, np.bincount(widths[-300:])  # the line alone misses it
 
 
-def test_monotone_steps_pools_violators_by_their_counts() -> None:
-    """Weighted isotonic regression over the counts seen; a count never seen keeps the bare line
-    held between its fitted neighbours, and past the last count seen at least that count's price."""
-    from specd.services.engine.controller import monotone_steps
-
-    assert monotone_steps(0.0, [1.0, 3.0, 2.0, 5.0], [1, 1, 1, 1]) == [1.0, 2.5, 2.5, 5.0]
-    assert monotone_steps(0.0, [1.0, 3.0, 2.0, 5.0], [1, 1, 3, 1]) == [1.0, 2.25, 2.25, 5.0]
-    # t = 1 and 3 unseen: the line (0) held between the fitted 1.0 and 1.25; past t = 4, 1.25.
-    assert monotone_steps(0.0, [1.0, 0.0, 2.0, 0.0, 0.5], [1, 0, 1, 0, 1], 7) == [
-        1.0,
-        1.0,
-        1.25,
-        1.25,
-        1.25,
-        1.25,
-        1.25,
-    ]
-    # With a slope the prices v_token * t + steps[t] are what is made non-decreasing.
-    out = monotone_steps(0.5, [0.0, 0.0, 3.0], [1, 0, 1], 6)
-    assert [0.5 * t + x for t, x in enumerate(out)] == [0.0, 0.5, 4.0, 4.0, 4.0, 4.0]
-    assert monotone_steps(0.1, [0.0] * 4, [1] * 4) == [0.0] * 4  # a line alone is left as it is
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_the_fitted_verify_price_never_falls_as_the_width_grows(seed: int) -> None:
-    """Noisy timings of a staircase (16 tokens a block, as the tile unit's rows) at 4 rows, with
-    the counts of the wider blocks seen rarely and low, as a few fast rounds leave them: the fitted
-    price of verifying rows x (W + 1) tokens must not fall with W, or the width whose price errs
-    low is the one the controller picks. Without monotone_steps 24 tokens (k = 5) came out cheaper
-    than 20 (k = 4)."""
-    rng = np.random.default_rng(seed)
-    ctl = SpeculationController()
-
-    def seconds(tokens: int) -> float:
-        return 8e-3 + 3e-3 * -(-tokens // 16) + 0.5e-3 * rng.standard_normal()
-
-    for _ in range(300):
-        w = int(rng.choice([1, 2, 3, 3, 3, 4]))
-        ctl.observe_costs(4, w, seconds(4 * (w + 1)), 0, 0, 0.0)
-    for _ in range(3):
-        ctl.observe_costs(4, 5, 9.5e-3, 0, 0, 0.0)  # three lucky rounds at k = 5
-    cost = ctl.cost_model()
-    prices = [cost.verify(4, w) for w in range(KMAX + 1)]
-    assert all(b >= a - 1e-12 for a, b in zip(prices, prices[1:])), prices  # (rounding aside)
-    assert cost.verify(4, 5) >= cost.verify(4, 4) - 1e-12 and cost.verify(4, 4) > cost.verify(4, 3)
-
-
 @pytest.mark.parametrize("price_context", [True, False])
 def test_a_verify_cost_that_grows_with_the_context_is_not_blamed_on_the_width(price_context: bool) -> None:
     """32 rows whose context grows from 50 to 350 tokens, then again from 50: each cached token
