@@ -79,6 +79,38 @@ def test_fused_forward_is_batch_invariant(quantize: str | None) -> None:
             assert torch.equal(one[0, 0], batched[row, t])
 
 
+# (query heads, KV heads, head size): every way attention's output accumulators are laid out
+# (decoder.cpp, FusedDecoder::weigh: heads per KV head 1-8 and past 8, 1-8 vectors of a head per
+# pass), the demo models' (G 1, D 64 and 32) and the real pair's G (6 and 7) among them.
+ATTENTION_SHAPES = [(2, 2, 64), (4, 4, 32), (4, 4, 48), (6, 2, 16), (6, 1, 32), (7, 1, 16), (10, 2, 16), (9, 1, 16)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ATTENTION_SHAPES)
+def test_attention_of_every_head_layout_is_the_model_s_and_batch_invariant(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """The fused attention against the float32 per-op model (a bf16 model's distance), and a row
+    verified in a batch against the same row decoded alone (bit for bit), for each layout of its
+    register accumulators."""
+    overrides = dict(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    hf = random_hf_model("qwen2", intermediate_size=96, **overrides).to(torch.bfloat16).to(torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECD_FUSED", "1")
+        fused = load_llama(hf, torch.bfloat16, "cpu", prepack=False)
+    exact = load_llama(hf, torch.float32, "cpu", prepack=False)
+    assert fused.forward_path == "fused"
+    g = torch.Generator().manual_seed(4)
+    prompts, steps = torch.randint(0, 300, (2, 30), generator=g), torch.randint(0, 300, (2, 5), generator=g)
+    ref, got = _run(exact, prompts, steps), _run(fused, prompts, steps)
+    assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    cache = fused.new_paged_cache(4, 64, 8, 128)
+    cache.reserve(3, 96)
+    fused.forward(prompts[1:, :21], cache, cache.layout([3], [0], 21), "none")
+    for t in range(steps.shape[1]):
+        one = fused.forward(steps[1:, t : t + 1], cache, cache.layout([3], [21 + t], 1), "all")
+        assert torch.equal(one[0, 0], got[1, t])
+
+
 def test_static_slot_cache_and_last_logits() -> None:
     """The static cache (one block per slot) and ``logits_for="last"`` agree with the paged pool."""
     model = _model("llama", {"num_key_value_heads": 2}, torch.bfloat16)
