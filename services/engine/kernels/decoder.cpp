@@ -356,8 +356,8 @@ class FusedDecoder : public torch::CustomClassHolder {
             _mm256_storeu_ps(vb + j * D + i, load_bf16x8(vp + i));
           }
         }
-        auto k_at = [&](int64_t j) { return KeyF32{kbuf.data() + j * D_}; };
-        auto v_at = [&](int64_t j) { return KeyF32{vbuf.data() + j * D_}; };
+        auto k_at = [&](int64_t j) { return KeyF32{kb + j * D}; };
+        auto v_at = [&](int64_t j) { return KeyF32{vb + j * D}; };
         for (int64_t r = r0; r < r1; ++r) attend(qkv, r, g, pos[r] + 1, k_at, v_at, scores, out);
       }
     });
@@ -457,9 +457,7 @@ class FusedDecoder : public torch::CustomClassHolder {
     if (n >= 8) {
       __m256 m8 = _mm256_loadu_ps(s);
       for (j = 8; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, m8);
-      for (float x : lanes) m = std::max(m, x);
+      m = specd::hmax(m8, m);
     }
     for (; j < n; ++j) m = std::max(m, s[j]);
     return m;

@@ -57,6 +57,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The largest of start and v's lanes, taken in lane order with std::max (max is exact; a NaN lane
+// after the first value is passed over, as a scalar loop does).
+inline float hmax(__m256 v, float start) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (float x : lanes) start = std::max(start, x);
+  return start;
+}
+
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -432,10 +441,7 @@ inline Q8Rows quantize_rows_q8(const float* x, int64_t M, int64_t K) {
       const int64_t k0 = s * kQ4Super, k1 = std::min(K, k0 + kQ4Super), k8 = k0 + (k1 - k0) / 8 * 8;
       __m256 vmax = _mm256_setzero_ps();
       for (int64_t k = k0; k < k8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask));
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, vmax);
-      float amax = 0.0f;
-      for (float v : lanes) amax = std::max(amax, v);
+      float amax = hmax(vmax, 0.0f);
       for (int64_t k = k8; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       out.scale[m * S + s] = amax / 127.0f;
