@@ -588,6 +588,13 @@ class ControllerConfig:
     # From this many rows up one guess more or fewer moves the verified tokens past a step of the
     # kernels' blocks (3 rows on this CPU), so the neighbours see the staircase.
     explore_bounded_rows: int = 4
+    # A width the batch's rows have been timed at n times (decayed per such round by step_decay)
+    # is explored only with probability explore_settled / (n + explore_settled): a price the
+    # rounds have pinned down teaches little more, and each trial off the optimum costs its share
+    # of a round (4 demo streams in the stack: the plain probe alone about 1% of the time). A
+    # shape never timed is explored at the full rates; one timed about 20 times (where the decay
+    # saturates) at about a seventh of them.
+    explore_settled: float = 3.0
     # A seeded row's guesses when it speculates (choose_seeded says why one k): the fixed methods'.
     seeded_k: int = FIXED_NUM_TOKENS
     seed: int = 0
@@ -860,6 +867,9 @@ class SpeculationController:
         self._step_x = [[0.0] * 4 for _ in range(config.step_tokens)]
         self._step_n = [0.0] * config.step_tokens
         self._step_top = 0  # one past the most tokens a timed round has verified
+        # Timed rounds by (rows, width), decayed per observation of that shape like the staircase
+        # (see _unsettled).
+        self._seen: dict[tuple[int, int], float] = {}
 
     # ----------------------------------------------------------------------- estimates
 
@@ -1113,10 +1123,11 @@ class SpeculationController:
             return (1, 1, False) if u < self.cfg.explore_start else None
         cfg = self.cfg
         young = self._timed_round < cfg.young_rounds
-        alone = len(choice.ks) == 1
+        rows = len(choice.ks)
+        alone = rows == 1
         if not alone:
             if u < cfg.explore_plain:
-                return (0, 0, False)
+                return (0, 0, False) if self._unsettled(rows, 0) else None
             u = (u - cfg.explore_plain) / (1.0 - cfg.explore_plain)
         if young:
             anywhere, width = cfg.explore_anywhere_young, cfg.explore_width
@@ -1125,12 +1136,21 @@ class SpeculationController:
             width = cfg.explore_width_alone if alone else cfg.explore_width
         if u < anywhere:
             w = self.rng.randint(1, kmax)
-            return (w, w, not young and len(choice.ks) >= cfg.explore_bounded_rows)
+            return (w, w, not young and rows >= cfg.explore_bounded_rows) if self._unsettled(rows, w) else None
         u = (u - anywhere) / (1.0 - anywhere)
         if u < width:
             w = choice.width + (1 if self.rng.random() < 0.5 and choice.width < kmax else -1)
-            return (w, w, False)
+            return (w, w, False) if self._unsettled(rows, w) else None
         return None
+
+    def _unsettled(self, rows: int, width: int) -> bool:
+        """Whether a trial of ``width`` at ``rows`` rows goes ahead: always where rounds of that
+        shape were never timed, less often the more were (explore_settled). By shape, not by the
+        staircase's count of verified tokens: 4 rows at k = 3 and 16 plain rows verify the same 16
+        tokens, and the first must not stop a batch of 16 from ever timing the second."""
+        seen = self._seen.get((rows, width), 0.0)
+        w = self.cfg.explore_settled
+        return seen <= 0.0 or self.rng.random() * (seen + w) < w
 
     # ----------------------------------------------------------------------- observing
 
@@ -1209,6 +1229,8 @@ class SpeculationController:
                     sums[j] = sums[j] * decay + f
                 self._step_n[tokens] = self._step_n[tokens] * decay + 1.0
                 self._step_top = max(self._step_top, tokens + 1)
+                shape = (rows, width)
+                self._seen[shape] = self._seen.get(shape, 0.0) * decay + 1.0
             if model_steps > 0:
                 # The first timing (a draft service's time-out, say) is checked against the prior.
                 predicted = c.draft(model_steps, model_rows, caught_up)
