@@ -21,6 +21,7 @@ from specd.gateway.routes import build_router
 from specd.gateway.settings import GatewaySettings
 from specd.gateway.target_pool import TargetPool
 from specd.services.common.drain import Drain
+from specd.services.common.runtime import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -81,4 +82,5 @@ def run(settings: GatewaySettings) -> None:
         timeout_graceful_shutdown=3,  # after the drain: what is still running then is cut off
         **https,
     )
+    freeze_startup_heap()
     DrainingServer(config).run()

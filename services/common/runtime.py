@@ -23,3 +23,14 @@ def configure_torch_threads(num_threads: int | None) -> None:
 
     if num_threads:
         torch.set_num_threads(num_threads)
+
+
+def freeze_startup_heap() -> None:
+    """Take what start-up allocated (modules, model, tokenizer: about 300k objects in a loaded
+    target process) out of the garbage collector's sight, as vLLM's server does after it starts.
+    Otherwise every oldest-generation collection walks all of it: one such pause in the target
+    measured 80 ms, a stall of every stream in the batch. Call once, when loading is done."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

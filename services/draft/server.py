@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from specd.services.common.config import ServiceConfig
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
 from specd.services.common.grpc_server import run_server, start_metrics_server
+from specd.services.common.runtime import freeze_startup_heap
 from specd.services.common.tls import TLSConfig
 from specd.services.draft import convert, metrics
 from specd.services.draft.worker import BlockError, BlockOut, DraftWorker
@@ -181,6 +182,7 @@ def serve(cfg: DraftServerConfig) -> None:
     start_metrics_server(cfg.metrics_port)
     metrics.DRAFT_SEQUENCES.set(0)
     servicer = DraftServicer(worker, info, Drain(cfg.drain_timeout))
+    freeze_startup_heap()
     asyncio.run(
         run_server(
             lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),

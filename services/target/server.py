@@ -20,6 +20,7 @@ from specd.services.common.discovery import resolve_all
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
 from specd.services.common.grpc_server import start_metrics_server
 from specd.services.common.main_thread import serve_with_main_thread
+from specd.services.common.runtime import freeze_startup_heap
 from specd.services.common.tls import TLSConfig, aio_channel
 from specd.services.engine.engine import Engine
 from specd.services.target import convert, metrics
@@ -161,6 +162,7 @@ def serve(cfg: TargetServerConfig) -> None:
         metrics.REQUESTS_REJECTED.labels(reason="queue_full")  # exported as 0 from the start
         svc = build(cfg, engine, draft_endpoints)
         servicer = svc.servicer
+        freeze_startup_heap()
         serve_with_main_thread(
             lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
             cfg.host,
