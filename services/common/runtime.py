@@ -1,4 +1,5 @@
-"""Process-level CPU settings, applied once at the CLI edge before torch is imported."""
+"""Process-level settings: the CPU's, applied once at the CLI edge before torch is imported, and the
+garbage collector's, once a service has loaded."""
 
 from __future__ import annotations
 

@@ -1147,7 +1147,7 @@ class SpeculationController:
         """Whether a trial of ``width`` at ``rows`` rows goes ahead: always where rounds of that
         shape were never timed, less often the more were (explore_settled). By shape, not by the
         staircase's count of verified tokens: 4 rows at k = 3 and 16 plain rows verify the same 16
-        tokens, and the first must not stop a batch of 16 from ever timing the second."""
+        tokens, and the first must not keep a batch of 16 from timing the second at the full rate."""
         seen = self._seen.get((rows, width), 0.0)
         w = self.cfg.explore_settled
         return seen <= 0.0 or self.rng.random() * (seen + w) < w

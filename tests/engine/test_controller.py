@@ -639,9 +639,9 @@ def test_a_speculating_batch_now_and_then_runs_a_plain_round(rows: int) -> None:
     """explore_plain: a batch that chooses to speculate every round still runs a round without
     guesses now and then, so its fit keeps seeing what a plain round costs instead of extending
     its line down to it: about 3% of its rounds while that cost is unknown, fewer once plain
-    rounds of its size have been timed (explore_settled), never none. With explore_settled out of the way,
-    the full 3%. A batch of one is left as it was (criterion 2 of issue 12 measures it; a plain
-    round in 33 would cost it about 1.5% at k = 3)."""
+    rounds of its size have been timed (explore_settled), never none; with explore_settled out of
+    the way, the full 3%. A batch of one is left as it was (criterion 2 of issue 12 measures it; a
+    plain round in 33 would cost it about 1.5% at k = 3)."""
     plain, _ = _speculating_batch(rows, ControllerConfig())
     always, _ = _speculating_batch(rows, ControllerConfig(explore_settled=1e12))
     if rows == 1:
