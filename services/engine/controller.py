@@ -545,6 +545,14 @@ class ControllerConfig:
     explore_width_alone: float = 0.04
     explore_anywhere_alone: float = 0.01
     explore_start: float = 0.02  # per round, with speculation off everywhere: try a width of 1
+    # Per plan of a batch that would rest (see dormant_rounds), with this probability: the best
+    # round with guesses instead, where the batch's rows were never timed at its width. A batch at
+    # rest plans once per rest and times nothing in between, so a plain plan made from untimed
+    # prices (a young cost model's prior, say) was as good as final: 16 demo streams in the stack
+    # went plain at their first plan and stayed plain for the whole pass. Only untimed shapes: a
+    # version that kept probing timed ones at explore_settled's share gained in the stack's
+    # first passes and seemed to lose in its later ones (docs/benchmarks.md).
+    explore_resting: float = 1.0
     # Per round, at a batch that speculates: a round without guesses, so the fit keeps seeing what
     # a plain round costs. Never seeing one, it priced a plain round by extending its line down
     # from the widths it ran, and on a CPU, where a round with guesses also pays for sampling
@@ -1032,8 +1040,12 @@ class SpeculationController:
         elif choice.width > 0 or not batch:  # no rest, and the next one starts short
             self._dormant, self._rest = 0, cfg.dormant_rounds
         elif can_guess:
-            self._dormant = self._rest
-            self._rest = min(2 * self._rest, cfg.dormant_rounds_max)
+            probe = self._resting_probe(choose_within, kmax)
+            if probe is not None:
+                choice = probe
+            else:
+                self._dormant = self._rest
+                self._rest = min(2 * self._rest, cfg.dormant_rounds_max)
         # (A batch where no row could guess, its draft still prefilling every row say, chose
         # nothing about its load: resting then kept rows plain for rounds after the draft was ready.)
         self.stats.rounds += 1
@@ -1142,6 +1154,19 @@ class SpeculationController:
             w = choice.width + (1 if self.rng.random() < 0.5 and choice.width < kmax else -1)
             return (w, w, False) if self._unsettled(rows, w) else None
         return None
+
+    def _resting_probe(self, choose_within: Callable[[tuple[int, int]], Choice], kmax: int) -> Choice | None:
+        """Instead of a rest (explore_resting): the best round with guesses, where rounds of its
+        shape were never timed. A batch at rest plans once per rest and times nothing in between,
+        so without this a plain plan made from prices never timed at the batch's size was as good
+        as final."""
+        if self.rng.random() >= self.cfg.explore_resting:
+            return None
+        trial = choose_within((1, kmax))
+        if trial.width == 0 or self._seen.get((len(trial.ks), trial.width), 0.0) > 0.0:
+            return None
+        self.stats.explored += 1
+        return trial
 
     def _unsettled(self, rows: int, width: int) -> bool:
         """Whether a trial of ``width`` at ``rows`` rows goes ahead: always where rounds of that

@@ -35,6 +35,7 @@ _NO_EXPLORATION_KW = dict(
     explore_width_alone=0.0,
     explore_anywhere_alone=0.0,
     explore_start=0.0,
+    explore_resting=0.0,
     explore_plain=0.0,
 )
 _NO_EXPLORATION = ControllerConfig(**_NO_EXPLORATION_KW)
@@ -842,6 +843,49 @@ def test_a_batch_that_chose_plain_rounds_rests_from_planning() -> None:
     unable = controller(0.9)
     assert unable.plan([RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, False) for _ in range(4)], KMAX).width == 0
     assert rests(unable) == [False] * 7
+
+
+def _resting_batch(cfg: ControllerConfig, rounds: int, cost: CostModel, rate: float, told: CostModel) -> list[int]:
+    """A batch of 16 rows run as the engine runs it (a rest's rounds plain and untimed, dormant()),
+    timed by ``cost`` and accepting each guess with probability ``rate``, after 200 rounds of 4 rows
+    timed by ``told`` (another load's prices, extrapolated to 16 rows): each round's width."""
+    ctl = SpeculationController(cfg)
+    for r in range(200):
+        w = r % 4
+        ctl.observe_costs(4, w, told.verify(4, w), w, 4 if w else 0, told.draft(w, 4))
+    rng = np.random.default_rng(0)
+    seqs = [SeqAcceptance(16) for _ in range(16)]
+    widths = []
+    for _ in range(rounds):
+        if ctl.dormant():
+            widths.append(0)
+            continue
+        ch = ctl.plan([RowPlan(s, True, KMAX, 0, True) for s in seqs], KMAX)
+        ks = ch.ks.tolist()
+        passed = [int(np.cumprod(rng.random(k) < rate).sum()) for k in ks]
+        ctl.observe_rows([(s, True, MODEL if k else -1, k, a) for s, k, a in zip(seqs, ks, passed)])
+        steps = ch.model_steps
+        ctl.observe_costs(16, ch.width, cost.verify(16, ch.width), steps, 16 if steps else 0, cost.draft(steps, 16))
+        widths.append(ch.width)
+    return widths
+
+
+def test_a_batch_at_rest_probes_widths_its_rounds_never_timed() -> None:
+    """explore_resting: a batch of 16 whose plans go plain from prices never timed at its size
+    (extrapolated from 4 rows on a compute-bound verify, where at 16 rows in truth a few more
+    tokens cost little and most guesses pass) tries its best round with guesses at its next plans
+    instead of resting on them, and soon speculates; without that it rests plain throughout (its
+    only probe, explore_start, tries one guess, which the extrapolation still prices above plain).
+    Where guesses truly do not pay at 16 rows, the trials cost few rounds and it stays plain."""
+    told = CostModel(v0=1e-3, v_row=0.1e-3, v_token=1.0e-3, d0=0.5e-3, d_step=1e-3, d_step_row=0.3e-3)
+    cheap = CostModel(v0=5e-3, v_row=0.05e-3, v_token=0.02e-3, d0=0.5e-3, d_step=0.6e-3)
+    on = _resting_batch(ControllerConfig(), 1000, cheap, 0.8, told)
+    off = _resting_batch(ControllerConfig(explore_resting=0.0), 1000, cheap, 0.8, told)
+    assert not any(off[:500])  # the case is what it says: the plans go plain
+    assert next(i for i, w in enumerate(on) if w > 0) < 10
+    assert sum(w > 0 for w in on[500:]) > 0.9 * 500
+    losing = _resting_batch(ControllerConfig(), 2000, told, 0.8, told)
+    assert sum(w > 0 for w in losing[1000:]) < 0.02 * 1000, sum(w > 0 for w in losing[1000:])
 
 
 def test_rests_double_while_plans_keep_resting_and_start_short_again() -> None:
