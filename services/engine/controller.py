@@ -551,7 +551,9 @@ class ControllerConfig:
     # prices (a young cost model's prior, say) was as good as final: 16 demo streams in the stack
     # went plain at their first plan and stayed plain for the whole pass. Only untimed shapes: a
     # version that kept probing timed ones at explore_settled's share gained in the stack's
-    # first passes and seemed to lose in its later ones (docs/benchmarks.md).
+    # first passes and seemed to lose in its later ones (docs/benchmarks.md). A shape counts as
+    # timed once its timings are folded in (at the next refit, refit_every), so it is probed for
+    # up to that many plans: one noisy timing does not settle it.
     explore_resting: float = 1.0
     # Per round, at a batch that speculates: a round without guesses, so the fit keeps seeing what
     # a plain round costs. Never seeing one, it priced a plain round by extending its line down

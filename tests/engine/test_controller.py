@@ -874,9 +874,10 @@ def test_a_batch_at_rest_probes_widths_its_rounds_never_timed() -> None:
     """explore_resting: a batch of 16 whose plans go plain from prices never timed at its size
     (extrapolated from 4 rows on a compute-bound verify, where at 16 rows in truth a few more
     tokens cost little and most guesses pass) tries its best round with guesses at its next plans
-    instead of resting on them, and soon speculates; without that it rests plain throughout (its
-    only probe, explore_start, tries one guess, which the extrapolation still prices above plain).
-    Where guesses truly do not pay at 16 rows, the trials cost few rounds and it stays plain."""
+    instead of resting on them, and soon speculates; without that it rests plain for over 500
+    rounds (its only probe, explore_start, tries one guess, which the extrapolation still prices
+    above plain). Where guesses truly do not pay at 16 rows, the trials cost few rounds (a shape
+    counts as timed once its timings are folded in, at the next refit) and it stays plain."""
     told = CostModel(v0=1e-3, v_row=0.1e-3, v_token=1.0e-3, d0=0.5e-3, d_step=1e-3, d_step_row=0.3e-3)
     cheap = CostModel(v0=5e-3, v_row=0.05e-3, v_token=0.02e-3, d0=0.5e-3, d_step=0.6e-3)
     on = _resting_batch(ControllerConfig(), 1000, cheap, 0.8, told)
@@ -885,7 +886,7 @@ def test_a_batch_at_rest_probes_widths_its_rounds_never_timed() -> None:
     assert next(i for i, w in enumerate(on) if w > 0) < 10
     assert sum(w > 0 for w in on[500:]) > 0.9 * 500
     losing = _resting_batch(ControllerConfig(), 2000, told, 0.8, told)
-    assert sum(w > 0 for w in losing[1000:]) < 0.02 * 1000, sum(w > 0 for w in losing[1000:])
+    assert sum(w > 0 for w in losing) < 0.02 * len(losing), sum(w > 0 for w in losing)
 
 
 def test_rests_double_while_plans_keep_resting_and_start_short_again() -> None:
