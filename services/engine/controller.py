@@ -1042,7 +1042,7 @@ class SpeculationController:
         elif choice.width > 0 or not batch:  # no rest, and the next one starts short
             self._dormant, self._rest = 0, cfg.dormant_rounds
         elif can_guess:
-            probe = self._resting_probe(choose_within, kmax)
+            probe = self._resting_probe(choice, choose_within, kmax)
             if probe is not None:
                 choice = probe
             else:
@@ -1157,18 +1157,19 @@ class SpeculationController:
             return (w, w, False) if self._unsettled(rows, w) else None
         return None
 
-    def _resting_probe(self, choose_within: Callable[[tuple[int, int]], Choice], kmax: int) -> Choice | None:
-        """Instead of a rest (explore_resting): the best round with guesses, where rounds of its
-        shape were never timed. A batch at rest plans once per rest and times nothing in between,
-        so without this a plain plan made from prices never timed at the batch's size was as good
-        as final."""
+    def _resting_probe(
+        self, plain: Choice, choose_within: Callable[[tuple[int, int]], Choice], kmax: int
+    ) -> Choice | None:
+        """Instead of a rest after ``plain`` (explore_resting): the best round with guesses, where
+        rounds of its shape were never timed. A batch at rest plans once per rest and times nothing
+        in between, so without this a plain plan made from prices never timed at the batch's size
+        was as good as final."""
         if self.rng.random() >= self.cfg.explore_resting:
             return None
         trial = choose_within((1, kmax))
         if trial.width == 0 or self._seen.get((len(trial.ks), trial.width), 0.0) > 0.0:
             return None
-        self.stats.explored += 1
-        return trial
+        return self._explored(plain, trial, bounded=False)
 
     def _unsettled(self, rows: int, width: int) -> bool:
         """Whether a trial of ``width`` at ``rows`` rows goes ahead: always where rounds of that
