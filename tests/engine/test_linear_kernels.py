@@ -382,3 +382,26 @@ def test_stream_read_reads_every_whole_line(op) -> None:
     expected = int(np.bitwise_xor.reduce(whole).astype(np.uint32))
     assert torch.ops.specd_kernels.stream_read(words) == expected
     assert torch.ops.specd_kernels.stream_read(torch.zeros(1 << 16)) == 0
+
+
+@pytest.mark.skipif(_amx_op() is None, reason="no AMX tile unit here (or SPECD_AMX=0)")
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (8960, 1536), (1536, 8960)])
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 3e-38, 1e30])
+def test_one_row_on_the_vector_units_gives_the_tiles_bits(n: int, k: int, scale: float) -> None:
+    """One input row runs on the vector units (amx_row_span), every other batch on the tile unit:
+    each row alone must give the bits it gets among 8 rows, at magnitudes where x's low bf16 term
+    (or x itself) is denormal, which the tile unit reads as 0 and the vectors must too, with zeros
+    and outliers in x, and bf16 weights that are themselves denormal."""
+    op = _amx_op()
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    w[: n // 4] *= 1e-38  # denormal bf16 weights
+    w = w.bfloat16()
+    b = torch.randn(n, generator=g)
+    x = torch.randn(8, k, generator=g) * scale
+    x[0, ::7] = 0.0
+    x[1, ::5] *= 1e-6
+    x[2, ::3] *= 1e6
+    whole = op(x, w, b)
+    for m in range(8):
+        assert torch.equal(op(x[m : m + 1], w, b), whole[m : m + 1]), f"row {m}"

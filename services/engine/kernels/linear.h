@@ -1029,7 +1029,8 @@ inline void int8_vnni_rows(const float* x, int64_t M, const int8_t* packed, cons
 // there) at ~22 GB/s to the vector blocks' ~28, whatever the prefetching tried. The real pair's bf16
 // target, `specd generate`, 2 threads, weights from memory: alone 8.8-9.1 -> 8.3-8.4 tok/s, with the
 // 0.5B drafting k = 4 18.9-20.4 -> 22.8-23.2. Verifying is where speculation spends its time, so the
-// tiles are the default; SPECD_AMX=0 keeps the vector blocks (for single-stream target-only use).
+// tiles are the default; SPECD_AMX=0 keeps the vector blocks. One input row runs on the vector units
+// instead, with the tiles' bits (amx_row_span, below).
 //
 // The tile unit multiplies bf16 by bf16, so x (fp32) goes in as two bf16 terms, hi = bf16(x) and
 // lo = bf16(x - hi): 16 of fp32's 24 significant bits, relative error at most 2^-17 per input (max
@@ -1037,9 +1038,7 @@ inline void int8_vnni_rows(const float* x, int64_t M, const int8_t* packed, cons
 // weights' own rounding). A different order of summation than the vector blocks', so other bits: a
 // layer runs here for every batch size or for none (weights are packed for it once, when the fused
 // decoder is built), and each output is the same fixed sequence of tile operations whatever the
-// batch: rows are independent in tdpbf16ps, so the kernel stays batch invariant. (A vector emulation
-// of tdpbf16ps for one row, which would have kept single-token decoding on the vector units, did
-// not give its bits: the tile unit's internal rounding is not a sequence of fp32 multiply-adds.)
+// batch: rows are independent in tdpbf16ps, so the kernel stays batch invariant.
 //
 // Packed weights (N % 32 == 0, K % 32 == 0): the tile operand B for 16 weight rows n and 32 inputs k
 // is 16 lines of 64 bytes, line j holding, for each n, the pair (w[n][2j], w[n][2j + 1]). Two such
@@ -1216,6 +1215,72 @@ SPECD_AMX inline void amx_span(const uint16_t* hi, const uint16_t* lo, int64_t M
   if (configured) _tile_release();
 }
 
+// One input row on the vector units, bit for bit the tile unit's result. What tdpbf16ps computes (the
+// SDM's pseudo-code; checked on the Intel VM against the tile unit, 4800 of 4800 outputs over random
+// data, one to four k-steps, with and without a prior sum): per output, the even and the odd elements of
+// its 16 pairs in two fp32 FMA chains of their own, each from 0 and in pair order, then
+// dst + (even + odd), with denormal inputs read as 0 and denormal results flushed to 0 (DAZ, FTZ).
+// (One chain over all 32 products, as the intrinsics guide's pseudo-code reads, is not it: an
+// earlier emulation found 15% of outputs differing, a throwaway check here 64%.) A packed line j
+// holds, per output, the pair (w[n][2j], w[n][2j + 1]) as one dword: its low half is the even
+// weight, its high half the odd one. So one row reads the packed weights as they lie, in 512-bit
+// registers, as fast as the vector blocks read theirs, where the tiles are slower at one row (see
+// above). SPECD_AMX_ONE_ROW=tiles keeps one row on the tiles (for A/B runs).
+inline bool amx_row_on_vectors() {
+  static const bool yes = [] {
+    const char* env = std::getenv("SPECD_AMX_ONE_ROW");
+    return env == nullptr || std::string(env) != "tiles";
+  }();
+  return yes;
+}
+
+// Weight-row pairs [p0, p1) for one input row into out[0, N); hi and lo are amx_bf16_rows' two bf16 terms
+// of x, widened to fp32 (exact).
+SPECD_AMX inline void amx_row_span(const float* hi, const float* lo, const uint16_t* packed, int64_t K, float* out,
+                                   int64_t p0, int64_t p1) {
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // FTZ and DAZ, as the tile unit works
+  const int64_t steps = K / kAmxK;
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* w = packed + p * steps * 2 * (kAmxK * 16);
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0;
+    for (int64_t s = 0; s < steps; ++s) {
+      const uint16_t* w0 = w + s * 2 * (kAmxK * 16);  // rows 0-15 of the pair: 16 lines of 64 bytes
+      const uint16_t* w1 = w0 + kAmxK * 16;            // rows 16-31
+      const char* ahead = reinterpret_cast<const char*>(w0) + kPrefetchBytes;
+      const float* xh = hi + s * kAmxK;
+      const float* xl = lo + s * kAmxK;
+      __m512 he0 = _mm512_setzero_ps(), ho0 = he0, le0 = he0, lo0 = he0, he1 = he0, ho1 = he0, le1 = he0, lo1 = he0;
+      for (int j = 0; j < 16; ++j) {
+        // A line ahead per line read, into L2: into L1 the prefetches stalled on the line fill buffers
+        // (6.6-7.0 tok/s of the real pair's target alone against 7.4-7.7; none at all, 5.3).
+        _mm_prefetch(ahead + 64 * j, _MM_HINT_T1);
+        _mm_prefetch(ahead + 1024 + 64 * j, _MM_HINT_T1);
+        const __m512i l0 = _mm512_loadu_si512(w0 + 32 * j), l1 = _mm512_loadu_si512(w1 + 32 * j);
+        const __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(l0, 16));
+        const __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(l0, odd_mask));
+        const __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(l1, 16));
+        const __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(l1, odd_mask));
+        const __m512 xhe = _mm512_set1_ps(xh[2 * j]), xho = _mm512_set1_ps(xh[2 * j + 1]);
+        const __m512 xle = _mm512_set1_ps(xl[2 * j]), xlo = _mm512_set1_ps(xl[2 * j + 1]);
+        he0 = _mm512_fmadd_ps(xhe, we0, he0), ho0 = _mm512_fmadd_ps(xho, wo0, ho0);
+        he1 = _mm512_fmadd_ps(xhe, we1, he1), ho1 = _mm512_fmadd_ps(xho, wo1, ho1);
+        le0 = _mm512_fmadd_ps(xle, we0, le0), lo0 = _mm512_fmadd_ps(xlo, wo0, lo0);
+        le1 = _mm512_fmadd_ps(xle, we1, le1), lo1 = _mm512_fmadd_ps(xlo, wo1, lo1);
+      }
+      // The tile kernel's order: hi's product into each output tile, then lo's.
+      c0 = _mm512_add_ps(c0, _mm512_add_ps(he0, ho0));
+      c1 = _mm512_add_ps(c1, _mm512_add_ps(he1, ho1));
+      c0 = _mm512_add_ps(c0, _mm512_add_ps(le0, lo0));
+      c1 = _mm512_add_ps(c1, _mm512_add_ps(le1, lo1));
+    }
+    _mm512_storeu_ps(out + p * kAmxWeightRows, c0);
+    _mm512_storeu_ps(out + p * kAmxWeightRows + 16, c1);
+  }
+  _mm_setcsr(csr);
+}
+
 // y[M, N] (row stride ldo) = x[M, K] W^T + b, W packed by amx_pack_bf16. Threads split the weight rows;
 // within a thread, a ~256 KB tile of them meets every 16 input rows before the next is read, as in
 // linear_rows.
@@ -1230,6 +1295,16 @@ inline void amx_bf16_rows(const float* x, int64_t M, const uint16_t* packed, int
   uint16_t* hi = reinterpret_cast<uint16_t*>((base + 63) & ~static_cast<std::uintptr_t>(63));
   uint16_t* lo = hi + M * K;
   split_bf16(x, M, K, hi, lo);
+  if (M == 1 && amx_row_on_vectors()) {
+    std::vector<float> widened(2 * K);
+    for (int64_t k = 0; k < K; ++k) widened[k] = bf16_to_float(hi[k]), widened[K + k] = bf16_to_float(lo[k]);
+    at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t p0, int64_t p1) {
+      amx_row_span(widened.data(), widened.data() + K, packed, K, out, p0, p1);
+      if (bias != nullptr)  // after the sums, as amx_span adds it (outside the tile unit's flushing)
+        for (int64_t n = p0 * kAmxWeightRows; n < p1 * kAmxWeightRows; ++n) out[n] += bias[n];
+    });
+    return;
+  }
   at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t p0, int64_t p1) {
     amx_span(hi, lo, M, packed, K, bias, out, ldo, p0, p1);
   });
