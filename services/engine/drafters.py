@@ -23,7 +23,14 @@ from specd.services.common.constants import CATCH_UP_TOKENS
 from specd.services.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, pool_blocks
 from specd.services.engine.model import CausalLM
 from specd.services.engine.prefill import PrefillRow, plan_chunk, prefill_pass
-from specd.services.engine.sampling import BatchSampling, SamplingParams, processed_probs, sample_from, uniforms
+from specd.services.engine.sampling import (
+    BatchSampling,
+    SamplingParams,
+    argmax_last,
+    processed_probs,
+    sample_from,
+    uniforms,
+)
 from specd.services.engine.sparse import SparseProbs, truncate_probs
 from specd.services.engine.transfer import to_device
 from specd.services.engine.warmup import warm_up
@@ -136,7 +143,7 @@ def likeliest(logits: torch.Tensor, n: int = ALTERNATIVES) -> tuple[torch.Tensor
     tied = values[:, 0] == values[:, 1]
     # On an accelerator without asking whether any row tied (a host sync); on a CPU only if one did.
     if logits.device.type != "cpu" or bool(tied.any()):
-        best = torch.where(tied, logits.argmax(-1), best)
+        best = torch.where(tied, argmax_last(logits), best)
     return best, top
 
 
@@ -478,7 +485,7 @@ class ModelDrafter:
             if alternatives:
                 best, top = likeliest(logits[:, 0])  # argmax, and the tokens the replacements come from
             else:
-                best = logits[:, 0].argmax(-1)
+                best = argmax_last(logits[:, 0])
             if any_sampled:
                 q = processed_probs(logits, sampling)[:, 0]  # [B, V]
                 if self.support:

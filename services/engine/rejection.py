@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specd.services.engine.sampling import sample_from, uniforms
+from specd.services.engine.sampling import argmax_last, sample_from, uniforms
 
 # One generator for the batch, or per row a generator or a round's seed (sampling.uniforms).
 Generators = torch.Generator | Sequence[torch.Generator | int] | None
@@ -110,7 +110,7 @@ def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor) ->
     :func:`rejection_sample` does. The result is exactly target-only greedy decoding.
     """
     k = draft_token_ids.shape[1]
-    best = target_logits.argmax(dim=-1)  # [B, k+1]
+    best = argmax_last(target_logits)  # [B, k+1]
     match = draft_token_ids == best[:, :k]
     num_accepted = match.long().cumprod(dim=1).sum(dim=1)
     final = best.gather(1, num_accepted.unsqueeze(1)).squeeze(1)

@@ -193,3 +193,27 @@ def test_greedy_verify_with_no_guesses_is_one_argmax_step() -> None:
     logits = torch.tensor([[[0.1, 2.0, -1.0], [5.0, 0.0, 0.0]]])
     tokens, emitted = greedy_verify(logits, torch.tensor([[-1]]))
     assert tokens.tolist() == [[1, -1]] and emitted.tolist() == [1]
+
+
+def test_argmax_last_is_torchs_argmax() -> None:
+    """Greedy tokens come from argmax_last (numpy's argmax on a CPU, for speed): the same indices as
+    torch's argmax on ties (the first maximum), NaN (the first NaN), infinities, signed zeros, strided
+    views and any rank, and torch's own where numpy has no such dtype (bf16)."""
+    from specd.services.engine.sampling import argmax_last
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 4, (6, 5, 64), generator=g).float()  # many ties
+    x[0, 0, 7] = float("nan")
+    x[0, 1, 9] = x[0, 1, 20] = float("nan")
+    x[1, 0] = float("-inf")
+    x[1, 1, 3] = x[1, 1, 5] = float("inf")
+    x[2, 0] = 0.0
+    x[2, 0, ::2] = -0.0
+    views = [x, x[:, 0], x[:, :, ::3], x.transpose(0, 1), x[0, 0], torch.randn(4, 8192, generator=g)]
+    for v in views:
+        got = argmax_last(v)
+        assert got.dtype == torch.long and torch.equal(got, v.argmax(dim=-1)), v.shape
+    b = x.bfloat16()
+    assert torch.equal(argmax_last(b), b.argmax(dim=-1))
+    with torch.inference_mode():
+        assert torch.equal(argmax_last(x), x.argmax(dim=-1))
