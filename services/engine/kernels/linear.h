@@ -312,12 +312,17 @@ constexpr BlockFn<Bf16Rows> kBlocksAvx512[kMaxRows + 1] = {
 // 9.8-10.1 ms; 8 rows of the last 2.6-2.8 -> 2.2 ms.
 constexpr int64_t kPrefillRows512 = 4, kPrefillWeightRows512 = 4;
 
+// Whether the environment variable `name` is set to `value` (the kernels' A/B switches).
+inline bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::string(env) == value;
+}
+
 // Whether this CPU runs the 512-bit blocks; SPECD_AVX512=0 keeps the AVX2 ones (for A/B runs, and for
 // the test that compares the two bit for bit).
 inline bool use_avx512() {
   static const bool yes = [] {
-    const char* env = std::getenv("SPECD_AVX512");
-    if (env != nullptr && std::string(env) == "0") return false;
+    if (env_is("SPECD_AVX512", "0")) return false;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   }();
@@ -1060,8 +1065,7 @@ inline bool amx_shape_ok(int64_t N, int64_t K) { return N % kAmxWeightRows == 0 
 // runs), and Linux grants this process the tile state (arch_prctl, once; kernels before 5.16 do not).
 inline bool use_amx() {
   static const bool yes = [] {
-    const char* env = std::getenv("SPECD_AMX");
-    if (env != nullptr && std::string(env) == "0") return false;
+    if (env_is("SPECD_AMX", "0")) return false;
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
         !__builtin_cpu_supports("avx512bw"))
       return false;
@@ -1227,10 +1231,7 @@ SPECD_AMX inline void amx_span(const uint16_t* hi, const uint16_t* lo, int64_t M
 // registers, as fast as the vector blocks read theirs, where the tiles are slower at one row (see
 // above). SPECD_AMX_ONE_ROW=tiles keeps one row on the tiles (for A/B runs).
 inline bool amx_row_on_vectors() {
-  static const bool yes = [] {
-    const char* env = std::getenv("SPECD_AMX_ONE_ROW");
-    return env == nullptr || std::string(env) != "tiles";
-  }();
+  static const bool yes = !env_is("SPECD_AMX_ONE_ROW", "tiles");
   return yes;
 }
 
