@@ -21,7 +21,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "linear.h"
+#include "huge_pages.h"
 
 namespace {
 
@@ -101,9 +101,18 @@ struct Layer {
   LinearSet qkv, o, gate_up, down;
 };
 
+// Uninitialised memory advised for huge pages before anything is written to it, so that fresh pages
+// fault in 2 MB at a time (and reused heap pages are folded into huge ones).
+at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  specd::advise_huge_pages(t.data_ptr(), t.nbytes(), /*collapse=*/true);
+  return t;
+}
+
 // A bf16 layer that fits the tile unit's shapes is packed for it where the CPU has one (linear.h,
 // "bf16 on AMX"), an int8 layer for VNNI where the CPU has AVX-512 VNNI (linear.h, "int8 packed for
 // VNNI"): a copy, kept in ``packed``, as the per-op forward still reads the weights as they are.
+// Whatever the decoder streams, the copy or the weights in place, sits in huge pages (huge_pages.h).
 LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
                         std::vector<at::Tensor>& packed) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear weights must be contiguous 2-D tensors");
@@ -113,7 +122,7 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
     lw.format = Format::kInt8;
     lw.scale = scale.data_ptr<float>();
     if (specd::use_avx512_vnni() && specd::vnni_shape_ok(lw.N, lw.K)) {
-      packed.push_back(at::empty({specd::vnni_packed_bytes(lw.N, lw.K)}, w.options()));
+      packed.push_back(huge_page_empty({specd::vnni_packed_bytes(lw.N, lw.K)}, w.options()));
       specd::int8_pack_vnni(w.data_ptr<int8_t>(), lw.N, lw.K, packed.back().data_ptr<int8_t>());
       lw.format = Format::kInt8Vnni;
       lw.w = packed.back().data_ptr();
@@ -125,13 +134,14 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear weights must be bf16, int8 or int4");
     if (specd::use_amx() && specd::amx_shape_ok(lw.N, lw.K)) {
-      packed.push_back(at::empty_like(w));
+      packed.push_back(huge_page_empty(w.sizes(), w.options()));
       specd::amx_pack_bf16(static_cast<const uint16_t*>(w.data_ptr()), lw.N, lw.K,
                            static_cast<uint16_t*>(packed.back().data_ptr()));
       lw.format = Format::kBf16Amx;
       lw.w = packed.back().data_ptr();
     }
   }
+  if (lw.w == w.data_ptr()) specd::advise_huge_pages(w.data_ptr(), w.nbytes(), /*collapse=*/true);
   if (bias.numel()) {
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == w.size(0), "bias must be fp32, one per row");
     lw.bias = bias.data_ptr<float>();
