@@ -44,7 +44,7 @@ def measure_read_bandwidth(buffer_gb: float = 2.0, reps: int = 12) -> Bandwidth:
     x = torch.empty(n, dtype=torch.float32)
     # In huge pages where the kernels can have them, as the decoder's weights are: the bound is the
     # most a plain read reaches, and in 4 KB pages it reached 22 GB/s here against 26-30 in 2 MB ones.
-    kernels.advise_huge_pages(x, collapse=True)
+    kernels.advise_huge_pages(x)
     x.fill_(1.0)
     readers: list[Callable[[torch.Tensor], object]] = [torch.sum]
     stream = _stream_read()

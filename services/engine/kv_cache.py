@@ -20,8 +20,6 @@ from collections.abc import Sequence
 
 import torch
 
-from specd.services.engine import kernels
-
 # The default KV budget of one model's pool: 2 GiB hold 74k positions of Qwen2.5-1.5B in bf16 (two
 # full 32k contexts) and 170k of the 0.5B draft, and leave a 24 GB machine usable with both loaded.
 # vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE) for one model; specd runs two.
@@ -79,19 +77,9 @@ class KVCache(SlotAllocator):
     ) -> None:
         super().__init__(num_slots)
         shape = (num_layers, num_slots, max_len, kv_heads, head_dim)
-        self.k = _storage(shape, dtype, device).zero_()
-        self.v = _storage(shape, dtype, device).zero_()
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-
-
-def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Uninitialised K or V storage; on a CPU in transparent huge pages, since attention walks it with
-    a TLB miss every 4 KB otherwise (advised before anything is written, and never collapsed: a block
-    pool's pages fault in as its blocks are first used)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.device.type == "cpu":
-        kernels.advise_huge_pages(t, collapse=False)
-    return t
 
 
 def kv_bytes(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -376,9 +364,8 @@ class PagedKVCache(BlockTable):
     """The block pool with its K/V storage: ``[layers, (num_blocks + 1) * block_size, kv_heads, head_dim]``.
 
     Allocated uninitialised, so on a CPU the operating system commits pages only as blocks are first
-    used (resident memory grows with the tokens actually held, 2 MB at a time in huge pages, up to the
-    budget); each block is zeroed when handed out, as masked-out garbage could be NaN and 0 * NaN
-    poisons attention.
+    used (resident memory grows with the tokens actually held, up to the budget); each block is
+    zeroed when handed out, as masked-out garbage could be NaN and 0 * NaN poisons attention.
     """
 
     def __init__(
@@ -395,8 +382,8 @@ class PagedKVCache(BlockTable):
     ) -> None:
         super().__init__(num_slots, num_blocks, block_size, max_len)
         shape = (num_layers, (num_blocks + 1) * block_size, kv_heads, head_dim)
-        self.k = _storage(shape, dtype, device)
-        self.v = _storage(shape, dtype, device)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self._new_blocks([self.scratch])
 
     def _new_blocks(self, blocks: list[int]) -> None:

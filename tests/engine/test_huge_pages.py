@@ -1,8 +1,8 @@
 """Transparent huge pages under what decoding streams (``services/engine/kernels/huge_pages.h``).
 
 The speed-up is the benchmark's to show; here: the advice lands where it should (the VMA is flagged,
-the weights the fused decoder reads fault in as 2 MB pages, the KV caches are advised), collapsing
-keeps every byte, and ``SPECD_HUGE_PAGES=0`` turns it all off."""
+the weights the fused decoder reads fault in as 2 MB pages), collapsing keeps every byte, and
+``SPECD_HUGE_PAGES=0`` turns it all off."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from specd.services.engine import kernels
-from specd.services.engine.kv_cache import KVCache, PagedKVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_MODE = THP.read_text().split("[")[1].split("]")[0] if THP.is_file() else "absent"
@@ -52,23 +51,11 @@ def test_advice_flags_the_memory_and_collapsing_keeps_every_byte() -> None:
     t = torch.randint(-(2**31), 2**31 - 1, (3 << 20,), dtype=torch.int32, generator=g)  # 12 MB, written
     before = t.clone()
     assert "hg" not in _vm_flags(_huge_interior(t)) or THP_MODE == "always"
-    assert kernels.advise_huge_pages(t, collapse=True)
+    assert kernels.advise_huge_pages(t)
     assert "hg" in _vm_flags(_huge_interior(t))
     assert torch.equal(t, before)
     # Too small to hold an aligned 2 MB page: nothing to advise.
-    assert not kernels.advise_huge_pages(torch.zeros(1024), collapse=False)
-
-
-@pytest.mark.parametrize("cache", ["slots", "paged"])
-def test_kv_caches_are_advised(cache: str) -> None:
-    if cache == "slots":
-        kv = KVCache(2, 4, 1024, 4, 128, torch.bfloat16)
-    else:
-        kv = PagedKVCache(2, 4, 128, 32, 1024, 4, 128, torch.bfloat16)
-    for t in (kv.k, kv.v):
-        assert "hg" in _vm_flags(_huge_interior(t))
-    if cache == "slots":
-        assert not kv.k.any() and not kv.v.any()  # zeroed after the advice
+    assert not kernels.advise_huge_pages(torch.zeros(1024))
 
 
 # A one-layer model whose linear layers are 4-16 MB each, loaded on the fused path; prints how much

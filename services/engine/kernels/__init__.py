@@ -34,8 +34,9 @@ Where the CPU has AVX-512 VNNI, rows of whole 256-weight super-blocks run in 512
 for bit the AVX2 blocks' (``SPECD_AVX512=0`` again keeps the AVX2 ones).
 
 ``advise_huge_pages``: transparent huge pages under what decoding streams (``huge_pages.h``). The
-fused decoder puts every weight it reads there itself; the KV caches ask through this. On the 2-core
-Xeon VM the 1.5B target decoded 1.22x faster for it, its weights' TLB misses gone.
+fused decoder puts every weight it reads there itself (on the 2-core Xeon VM the 1.5B target
+decoded 1.22x faster for it, its weights' TLB misses gone); the bandwidth benchmark's buffer asks
+through this, so that the bound it measures is read from the same pages.
 
 Built with ``torch.utils.cpp_extension`` into ``$SPECD_CACHE/torch_extensions`` (about 30 s once,
 then loaded in milliseconds). If the build fails, or the CPU lacks AVX2/FMA, the callers keep
@@ -168,12 +169,12 @@ def amx_usable() -> bool:
     return ensure_built() and bool(torch.ops.specd_kernels.amx_usable())
 
 
-def advise_huge_pages(t: torch.Tensor, collapse: bool) -> bool:
+def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask for transparent huge pages under a CPU tensor (``huge_pages.h``): where decoding streams a
-    buffer, a weight or the KV cache, 4 KB pages cost it a TLB miss every 4 KB. Advise before writing,
-    so fresh pages fault in 2 MB at a time; ``collapse`` folds pages already there (a copy; not for a
-    KV pool, which it would populate in full). False where nothing was advised (no kernels, not a CPU
-    tensor, under 2 MB, or the kernel's THP off). ``SPECD_HUGE_PAGES=0`` keeps 4 KB pages."""
+    buffer, 4 KB pages cost it a TLB miss every 4 KB. Advise before writing, so fresh pages fault in
+    2 MB at a time; pages already there are folded into huge ones (a copy). False where nothing was advised
+    (no kernels, not a CPU tensor, under 2 MB, or the kernel's THP off). ``SPECD_HUGE_PAGES=0``
+    keeps 4 KB pages."""
     if t.device.type != "cpu" or not ensure_built():
         return False
-    return bool(torch.ops.specd_kernels.advise_huge_pages(t, collapse))
+    return bool(torch.ops.specd_kernels.advise_huge_pages(t))

@@ -105,7 +105,7 @@ struct Layer {
 // fault in 2 MB at a time (and reused heap pages are folded into huge ones).
 at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   at::Tensor t = at::empty(sizes, options);
-  specd::advise_huge_pages(t.data_ptr(), t.nbytes(), /*collapse=*/true);
+  specd::advise_huge_pages(t.data_ptr(), t.nbytes());
   return t;
 }
 
@@ -141,7 +141,7 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
       lw.w = packed.back().data_ptr();
     }
   }
-  if (lw.w == w.data_ptr()) specd::advise_huge_pages(w.data_ptr(), w.nbytes(), /*collapse=*/true);
+  if (lw.w == w.data_ptr()) specd::advise_huge_pages(w.data_ptr(), w.nbytes());
   if (bias.numel()) {
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == w.size(0), "bias must be fp32, one per row");
     lw.bias = bias.data_ptr<float>();

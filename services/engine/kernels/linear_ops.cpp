@@ -239,9 +239,9 @@ int64_t stream_read(const at::Tensor& buffer) {
   return static_cast<int64_t>(folded);
 }
 
-bool advise_huge_pages(const at::Tensor& t, bool collapse) {
+bool advise_huge_pages(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "huge pages are for CPU memory");
-  return specd::advise_huge_pages(t.data_ptr(), t.nbytes(), collapse);
+  return specd::advise_huge_pages(t.data_ptr(), t.nbytes());
 }
 
 }  // namespace
@@ -257,7 +257,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("quantize_int4(Tensor weight) -> Tensor");
   m.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
   m.def("stream_read(Tensor buffer) -> int");
-  m.def("advise_huge_pages(Tensor t, bool collapse) -> bool", &advise_huge_pages);
+  m.def("advise_huge_pages(Tensor t) -> bool", &advise_huge_pages);
 }
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
