@@ -31,11 +31,11 @@ def default_num_tokens(method: str) -> int:
     return AUTO_NUM_TOKENS if method == "auto" else FIXED_NUM_TOKENS
 
 
-# Model weights' dtypes, by the names the command line and the configs use.
 # SPECD_HUGE_PAGES=0 keeps every page at 4 KB (services/engine/kernels/huge_pages.h reads it when the
 # first weights are placed; `specd generate` sets it unless given --huge-pages).
 HUGE_PAGES_SWITCH = "SPECD_HUGE_PAGES"
 
+# Model weights' dtypes, by the names the command line and the configs use.
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DEFAULT_DTYPE = "bfloat16"
 
