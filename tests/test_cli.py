@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 from specd.services.common.process import specd_command
 
@@ -33,6 +34,28 @@ def test_generate_json_output(tiny_pair) -> None:
     base = json.loads(_specd("generate", "--prompt", "def wrap(text):", *common, "--method", "none").stdout)
     assert base["token_ids"] == doc["token_ids"]  # greedy: speculation changes nothing
     assert base["stats"]["proposed_tokens"] == 0
+
+
+# `specd generate` in a fresh interpreter, then the huge-pages switch as the kernels will read it.
+GENERATE_THEN_SWITCH = """
+import os, sys
+from specd.services.cli import main
+assert main(sys.argv[1:]) == 0
+print("switch:", os.environ.get("SPECD_HUGE_PAGES", "unset"))
+"""
+
+
+def test_generate_keeps_small_pages_unless_asked(tiny_pair) -> None:
+    """One short generation never wins back the seconds huge pages can cost to fault in (on a VM
+    that hands free memory back to its host), so `generate` turns them off unless --huge-pages."""
+    target, draft = tiny_pair
+    args = ["generate", "--prompt", "x", "--target", str(target), "--draft", str(draft), "--max-tokens", "2", "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "SPECD_HUGE_PAGES"}
+    for extra, switch in (([], "0"), (["--huge-pages"], "unset")):
+        command = [sys.executable, "-c", GENERATE_THEN_SWITCH, *args, *extra]
+        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines()[-1] == f"switch: {switch}"
 
 
 def test_generate_refuses_mismatched_draft(tiny_pair, micro_pair) -> None:
