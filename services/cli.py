@@ -675,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--huge-pages",
         action="store_true",
         help="stream the weights from 2 MB pages, as the services do: decoding is faster (1.22x for the "
-        "1.5B on a 2-core Xeon), but faulting them in can cost seconds at start (6-17 s for the real "
+        "1.5B on a 2-core Xeon), but faulting them in can cost seconds at start (6-13 s for the real "
         "pair on a VM that hands free memory back to its host), which one short generation never wins back",
     )
     _add_model_args(g)
