@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "huge_pages.h"
+#include "linear.h"
 
 namespace {
 

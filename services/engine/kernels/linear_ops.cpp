@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "huge_pages.h"
+#include "linear.h"
 
 namespace {
 
