@@ -33,6 +33,10 @@ against activations quantized per row to int8 (``--quantize int4``, ``--draft-qu
 Where the CPU has AVX-512 VNNI, rows of whole 256-weight super-blocks run in 512-bit registers, bit
 for bit the AVX2 blocks' (``SPECD_AVX512=0`` again keeps the AVX2 ones).
 
+``prefetch_policy``: how far ahead each kernel family prefetches its weights, and into which cache,
+as this process chose it for the CPU (``linear.h``; ``SPECD_PREFETCH`` and ``SPECD_PREFETCH_QUANT``
+override it for A/B runs).
+
 ``advise_huge_pages``: transparent huge pages under what decoding streams (``huge_pages.h``). The
 fused decoder puts every weight it reads there itself (on the 2-core Xeon VM the 1.5B target
 decoded 1.22x faster for it, its weights' TLB misses gone); the bandwidth benchmark's buffer asks
@@ -51,6 +55,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -178,3 +183,20 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or not ensure_built():
         return False
     return bool(torch.ops.specd_kernels.advise_huge_pages(t))
+
+
+class Prefetch(NamedTuple):
+    """A kernel family's software prefetch: how far ahead of its loads, and into which cache."""
+
+    bytes_ahead: int
+    into_l2: bool
+
+
+def prefetch_policy() -> dict[str, Prefetch] | None:
+    """The software prefetch this process's kernels chose (``linear.h``): ``"float"`` for the bf16 and
+    fp32 kernels (``SPECD_PREFETCH``), ``"quant"`` for int8 and int4 (``SPECD_PREFETCH_QUANT``); None
+    without the kernels."""
+    if not ensure_built():
+        return None
+    fb, fl2, qb, ql2 = torch.ops.specd_kernels.prefetch_policy()
+    return {"float": Prefetch(fb, bool(fl2)), "quant": Prefetch(qb, bool(ql2))}

@@ -73,14 +73,51 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// Every kernel streams its weights with a software prefetch this far ahead of the loads. On the 2-core
-// Zen 3 VM this was written on, the hardware prefetchers alone left bf16 target-only decoding of the
-// 1.5B model at 7.2-10.4 tok/s (22-32 GB/s of weights); 4 KB ahead took it to 10.0-13.7 tok/s in
-// interleaved runs (1 KB ahead was too little). A prefetch past the end of a buffer never faults.
-constexpr int64_t kPrefetchBytes = 4096;
+// Whether the environment variable `name` is set to `value` (the kernels' A/B switches).
+inline bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::string(env) == value;
+}
 
-inline void prefetch_ahead(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+// Every kernel streams its weights with a software prefetch a fixed distance ahead of its loads, into
+// L1 or L2: a policy per kind of kernel, chosen once per process for the CPU.
+// - 4 KB ahead into L1 by default. On the 2-core Zen 3 VM this was written on, the hardware
+//   prefetchers alone left bf16 target-only decoding of the 1.5B model at 7.2-10.4 tok/s (22-32 GB/s
+//   of weights); 4 KB ahead into L1 took it to 10.0-13.7 tok/s in interleaved runs (1 KB was too little).
+// - The bf16 and fp32 kernels, 16 KB ahead into L2 on AMD CPUs with AVX-512 (Zen 4 and later). On a
+//   2-core Zen 4 VM (2026-12-06) the 4 KB L1 prefetch held one decoding row of a 17920 x 1536 bf16 layer
+//   to 20-21 GB/s on two threads (10-12 on one) where a plain read streamed 33-34 (0.56-0.70 of it);
+//   into L2 8-32 KB ahead, 0.85-0.98 (a standalone harness, runs alternated; 4 KB into L2 0.75-0.86,
+//   none 0.5). The 1.5B model's bf16 target alone 7.2-7.7 -> 9.3-10.8 tok/s. Its int4 target went the
+//   other way (L2 4-16 KB ahead 18-21 tok/s against 23-27 into L1): the int8 and int4 kernels do more
+//   work per byte and keep the default.
+// SPECD_PREFETCH (the bf16 and fp32 kernels) and SPECD_PREFETCH_QUANT (int8 and int4) = l1:BYTES or
+// l2:BYTES override them, for A/B runs. A prefetch past the end of a buffer never faults.
+struct PrefetchPolicy {
+  int64_t bytes;
+  bool to_l2;
+};
+
+inline PrefetchPolicy prefetch_policy(const char* env_name, PrefetchPolicy fallback) {
+  if (const char* env = std::getenv(env_name)) {
+    const std::string s(env);
+    if (s.size() > 3 && (s.compare(0, 3, "l1:") == 0 || s.compare(0, 3, "l2:") == 0))
+      return {std::max<int64_t>(0, std::atoll(s.c_str() + 3)), s[1] == '2'};
+  }
+  return fallback;
+}
+
+inline const PrefetchPolicy kFloatPrefetch = prefetch_policy(
+    "SPECD_PREFETCH", __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f") ? PrefetchPolicy{16384, true}
+                                                                                     : PrefetchPolicy{4096, false});
+inline const PrefetchPolicy kQuantPrefetch = prefetch_policy("SPECD_PREFETCH_QUANT", {4096, false});
+
+inline void prefetch_ahead(const void* p, const PrefetchPolicy& policy) {
+  const char* ahead = static_cast<const char*>(p) + policy.bytes;
+  if (policy.to_l2)
+    _mm_prefetch(ahead, _MM_HINT_T1);
+  else
+    _mm_prefetch(ahead, _MM_HINT_T0);
 }
 
 // ------------------------------------------------------------------------------- bf16 and int8
@@ -161,7 +198,7 @@ void block(const float* x, const C& c, const float* bias, float* out, int64_t ld
     for (int64_t k = 0; k < K16; k += C::kStep) {
       if (k % C::kWeightsPerLine == 0)  // one prefetch per row and 64-byte line
 #pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
+        for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k), kFloatPrefetch);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         __m256 wv[V];
@@ -215,7 +252,7 @@ void block_halves(const float* x, const C& c, const float* bias, float* out, int
       for (int64_t k = 0; k < K16; k += C::kStep) {
         if (H == 0 && k % C::kWeightsPerLine == 0)
 #pragma GCC unroll 4
-          for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
+          for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k), kFloatPrefetch);
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) {
           __m256 wv[C::kStep / 8];
@@ -278,7 +315,7 @@ SPECD_AVX512 void bf16_block_avx512(const float* x, const Bf16Rows& c, const flo
     for (int64_t k = 0; k < K16; k += 16) {
       if (k % Bf16Rows::kWeightsPerLine == 0)
 #pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k));
+        for (int j = 0; j < NR; ++j) prefetch_ahead(c.at(n + j, k), kFloatPrefetch);
       __m512 xv[R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
@@ -311,12 +348,6 @@ constexpr BlockFn<Bf16Rows> kBlocksAvx512[kMaxRows + 1] = {
 // 1376 x 512 layer 703-723 -> 487-511 us, 512 x 1376 631-645 -> 482-494, 8960 x 1536 11.8-12.9 ->
 // 9.8-10.1 ms; 8 rows of the last 2.6-2.8 -> 2.2 ms.
 constexpr int64_t kPrefillRows512 = 4, kPrefillWeightRows512 = 4;
-
-// Whether the environment variable `name` is set to `value` (the kernels' A/B switches).
-inline bool env_is(const char* name, const char* value) {
-  const char* env = std::getenv(name);
-  return env != nullptr && std::string(env) == value;
-}
 
 // Whether this CPU runs the 512-bit blocks; SPECD_AVX512=0 keeps the AVX2 ones (for A/B runs, and for
 // the test that compares the two bit for bit).
@@ -554,7 +585,7 @@ void q4_block(const Q8Rows& xq, int64_t m0, const uint8_t* w, const float* bias,
       }
       for (int gi = 0; gi < 8; gi += 2) {
         if (gi % 4 == 0)  // 64 bytes of nibbles per row every two pairs of groups
-          for (int j = 0; j < NR; ++j) prefetch_ahead(rec[j].nib + (g0 + gi) * 16);
+          for (int j = 0; j < NR; ++j) prefetch_ahead(rec[j].nib + (g0 + gi) * 16, kQuantPrefetch);
         for (int j = 0; j < NR; ++j) pair(rec[j].nib, g0 + gi, gi, sc16[j], isum[j]);
       }
       for (int j = 0; j < NR; ++j) q4_scale_superblock<R>(rec[j], s, S, G, xs, xsum, isum[j], acc[j], accm[j]);
@@ -652,7 +683,7 @@ SPECD_AVX512_VNNI void q4_block_avx512(const Q8Rows& xq, int64_t m0, const uint8
         for (int r = 0; r < R; ++r) isum[j][r] = _mm512_setzero_si512();
       }
       for (int q = 0; q < 2; ++q) {
-        for (int j = 0; j < NR; ++j) prefetch_ahead(rec[j].nib + (g0 + 4 * q) * 16);
+        for (int j = 0; j < NR; ++j) prefetch_ahead(rec[j].nib + (g0 + 4 * q) * 16, kQuantPrefetch);
         for (int j = 0; j < NR; ++j) {
           const __m512i v = _mm512_loadu_si512(rec[j].nib + (g0 + 4 * q) * 16);
           const __m512i wa = _mm512_and_si512(v, low4), wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -801,7 +832,7 @@ void q8_block(const Q8Rows& xq, int64_t m0, const int8_t* w, const float* scale,
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) {
           const int8_t* wr = w + (n + j) * K;
-          if (k % 64 == 0) prefetch_ahead(wr + k);
+          if (k % 64 == 0) prefetch_ahead(wr + k, kQuantPrefetch);
           const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
           const __m256i wa = _mm256_abs_epi8(wv);
 #pragma GCC unroll 8
@@ -862,7 +893,7 @@ SPECD_AVX512_VNNI void q8_block_avx512(const Q8Rows& xq, int64_t m0, const int8_
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) {
           const int8_t* wr = w + (n + j) * K;
-          prefetch_ahead(wr + k);
+          prefetch_ahead(wr + k, kQuantPrefetch);
           const __m512i wv = _mm512_loadu_si512(wr + k);
           const __m512i wa = _mm512_abs_epi8(wv);
           const __mmask64 neg = _mm512_movepi8_mask(wv);
@@ -974,7 +1005,7 @@ SPECD_AVX512_VNNI void q8_vnni_block(const uint8_t* xu, const float* xs, const i
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
       for (int64_t q = q0; q < q1; ++q) {
-        prefetch_ahead(wb + q * 64);
+        prefetch_ahead(wb + q * 64, kQuantPrefetch);
         const __m512i wv = _mm512_loadu_si512(wb + q * 64);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -1057,6 +1088,8 @@ constexpr int64_t kAmxWeightRows = 32;  // weight rows per step: two 16-row tile
 // Without software prefetching the tile loads waited on the weights (the demo target: 4.9 ms a
 // token); 1-2 KB ahead did best in a sweep of 0.25-16 KB (to L1; to L2 was slower).
 constexpr int64_t kAmxPrefetchBytes = 2048;
+// One row on the vector units (amx_row_span) prefetches into L2 4 KB ahead (2-16 KB measured within noise).
+constexpr int64_t kAmxRowPrefetchBytes = 4096;
 
 // Whether a layer of N outputs and K inputs can be packed for the tile unit.
 inline bool amx_shape_ok(int64_t N, int64_t K) { return N % kAmxWeightRows == 0 && K % kAmxK == 0; }
@@ -1249,7 +1282,7 @@ SPECD_AMX inline void amx_row_span(const float* hi, const float* lo, const uint1
     for (int64_t s = 0; s < steps; ++s) {
       const uint16_t* w0 = w + s * 2 * (kAmxK * 16);  // rows 0-15 of the pair: 16 lines of 64 bytes
       const uint16_t* w1 = w0 + kAmxK * 16;            // rows 16-31
-      const char* ahead = reinterpret_cast<const char*>(w0) + kPrefetchBytes;
+      const char* ahead = reinterpret_cast<const char*>(w0) + kAmxRowPrefetchBytes;
       const float* xh = hi + s * kAmxK;
       const float* xl = lo + s * kAmxK;
       __m512 he0 = _mm512_setzero_ps(), ho0 = he0, le0 = he0, lo0 = he0, he1 = he0, ho1 = he0, le1 = he0, lo1 = he0;

@@ -214,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight) {
   return {q, scale};
 }
 
-// Reads every whole 64-byte line of buffer once, 32 bytes a load with the kernels' prefetch, split
+// Reads every whole 64-byte line of buffer once, 32 bytes a load with the float kernels' prefetch, split
 // over torch's threads, and returns the XOR of all their 32-bit words (so the reads cannot be optimised
 // away, and the result is the same whatever the split): the machine's read bandwidth as the linear
 // kernels can draw on it (benchmarks/bandwidth.py).
@@ -227,7 +227,7 @@ int64_t stream_read(const at::Tensor& buffer) {
     __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* line = p + 64 * i;
-      specd::prefetch_ahead(line);
+      specd::prefetch_ahead(line, specd::kFloatPrefetch);
       a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
       b = _mm256_xor_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32)));
     }
@@ -247,6 +247,13 @@ bool advise_huge_pages(const at::Tensor& t) {
 
 }  // namespace
 
+// The software prefetch of the float and quantized kernels, as this process chose it (linear.h):
+// (bytes ahead, 1 if into L2 else 0) for each, so that tests can check the A/B switches.
+std::vector<int64_t> prefetch_policy() {
+  return {specd::kFloatPrefetch.bytes, specd::kFloatPrefetch.to_l2, specd::kQuantPrefetch.bytes,
+          specd::kQuantPrefetch.to_l2};
+}
+
 TORCH_LIBRARY(specd_kernels, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -259,6 +266,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
   m.def("stream_read(Tensor buffer) -> int");
   m.def("advise_huge_pages(Tensor t) -> bool", &advise_huge_pages);
+  m.def("prefetch_policy() -> int[]", &prefetch_policy);
 }
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
