@@ -55,8 +55,8 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
