@@ -33,9 +33,10 @@ against activations quantized per row to int8 (``--quantize int4``, ``--draft-qu
 Where the CPU has AVX-512 VNNI, rows of whole 256-weight super-blocks run in 512-bit registers, bit
 for bit the AVX2 blocks' (``SPECD_AVX512=0`` again keeps the AVX2 ones).
 
-``prefetch_policy``: how far ahead each kernel family prefetches its weights, and into which cache,
-as this process chose it for the CPU (``linear.h``; ``SPECD_PREFETCH`` and ``SPECD_PREFETCH_QUANT``
-override it for A/B runs).
+``kernel_tuning``: what this process's kernels chose for the CPU (``linear.h``): how far ahead each
+kernel family prefetches its weights and into which cache (``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``),
+and how many weight rows a one-input-row bf16 block takes at a time (``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``);
+the switches are for A/B runs.
 
 ``advise_huge_pages``: transparent huge pages under what decoding streams (``huge_pages.h``). The
 fused decoder puts every weight it reads there itself (on the 2-core Xeon VM the 1.5B target
@@ -192,11 +193,17 @@ class Prefetch(NamedTuple):
     into_l2: bool
 
 
-def prefetch_policy() -> dict[str, Prefetch] | None:
-    """The software prefetch this process's kernels chose (``linear.h``): ``"float"`` for the bf16 and
-    fp32 kernels (``SPECD_PREFETCH``), ``"quant"`` for int8 and int4 (``SPECD_PREFETCH_QUANT``); None
-    without the kernels."""
+class KernelTuning(NamedTuple):
+    """What this process's kernels chose for the CPU (``linear.h``), each with an A/B switch."""
+
+    float_prefetch: Prefetch  # bf16 and fp32 kernels (SPECD_PREFETCH)
+    quant_prefetch: Prefetch  # int8 and int4 (SPECD_PREFETCH_QUANT)
+    bf16_one_row_weight_rows: int  # weight rows per step of a one-input-row bf16 block (SPECD_BF16_ONE_ROW_WEIGHT_ROWS)
+
+
+def kernel_tuning() -> KernelTuning | None:
+    """The kernels' per-CPU choices in this process (fixed when they load); None without the kernels."""
     if not ensure_built():
         return None
-    fb, fl2, qb, ql2 = torch.ops.specd_kernels.prefetch_policy()
-    return {"float": Prefetch(fb, bool(fl2)), "quant": Prefetch(qb, bool(ql2))}
+    fb, fl2, qb, ql2, rows = torch.ops.specd_kernels.kernel_tuning()
+    return KernelTuning(Prefetch(fb, bool(fl2)), Prefetch(qb, bool(ql2)), rows)

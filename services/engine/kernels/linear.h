@@ -107,9 +107,12 @@ inline PrefetchPolicy prefetch_policy(const char* env_name, PrefetchPolicy fallb
   return fallback;
 }
 
-inline const PrefetchPolicy kFloatPrefetch = prefetch_policy(
-    "SPECD_PREFETCH", __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f") ? PrefetchPolicy{16384, true}
-                                                                                     : PrefetchPolicy{4096, false});
+// AMD with AVX-512 (Zen 4 and later), where the float kernels stream differently (above, and
+// kBf16OneRowWeightRows below).
+inline bool amd_avx512() { return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f"); }
+
+inline const PrefetchPolicy kFloatPrefetch =
+    prefetch_policy("SPECD_PREFETCH", amd_avx512() ? PrefetchPolicy{16384, true} : PrefetchPolicy{4096, false});
 inline const PrefetchPolicy kQuantPrefetch = prefetch_policy("SPECD_PREFETCH_QUANT", {4096, false});
 
 inline void prefetch_ahead(const void* p, const PrefetchPolicy& policy) {
@@ -342,6 +345,21 @@ constexpr BlockFn<Bf16Rows> kBlocksAvx512[kMaxRows + 1] = {
     nullptr,                     bf16_block_avx512<1, 2>, bf16_block_avx512<2, 2>, bf16_block_avx512<3, 2>,
     bf16_block_avx512<4, 2>,     bf16_block_avx512<5, 2>, bf16_block_avx512<6, 2>, bf16_block_avx512<7, 2>};
 
+// Weight rows a one-input-row block takes at a time on AVX-512 (each row's arithmetic is the same
+// either way, so the bits are too). Two by default (measured on the Intel VM, above). One on AMD with
+// AVX-512: on the 2-core Zen 4 VM (2026-12-06, with the L2 prefetch above) the 1.5B model's bf16
+// target alone decoded at 14.4 tok/s (13.5-15.1) against 12.3 (10.9-12.8) with two, faster in all 8
+// alternated rounds in one process, and level in the hours when that VM read memory at half speed;
+// verifying 4 and 6 rows was slower with one (16.5-17.0 against 17.5-17.8 tok/s at draft k = 3,
+// 13.7-15.5 against 17.0-19.1 at k = 5), so blocks of several input rows keep two.
+// SPECD_BF16_ONE_ROW_WEIGHT_ROWS=1 or 2 overrides it (A/B runs).
+inline int bf16_one_row_weight_rows() {
+  if (env_is("SPECD_BF16_ONE_ROW_WEIGHT_ROWS", "1")) return 1;
+  if (env_is("SPECD_BF16_ONE_ROW_WEIGHT_ROWS", "2")) return 2;
+  return amd_avx512() ? 1 : 2;
+}
+inline const int kBf16OneRowWeightRows = bf16_one_row_weight_rows();
+
 // Prefill-sized batches on AVX-512: 4 input rows against 4 weight rows, 16 of the 32 registers
 // accumulating (block_halves' two passes over each weight row are not needed with them). Microbenchmark
 // on the 2-core Intel VM (2026-12-05, weights streamed, medians of 20, two runs): 64 rows of a
@@ -406,7 +424,7 @@ void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* 
         const int64_t R = std::min(kMaxRows, M - m0);
         BlockFn<C> fn = kBlocks<C>[R];
         if constexpr (std::is_same_v<C, Bf16Rows>)
-          if (use_avx512()) fn = kBlocksAvx512[R];
+          if (use_avx512()) fn = R == 1 && kBf16OneRowWeightRows == 1 ? bf16_block_avx512<1, 1> : kBlocksAvx512[R];
         fn(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
       }
     }

@@ -247,11 +247,12 @@ bool advise_huge_pages(const at::Tensor& t) {
 
 }  // namespace
 
-// The software prefetch of the float and quantized kernels, as this process chose it (linear.h):
-// (bytes ahead, 1 if into L2 else 0) for each, so that tests can check the A/B switches.
-std::vector<int64_t> prefetch_policy() {
+// The choices this process made for its CPU (linear.h), so that tests can check the A/B switches: the
+// float and the quantized kernels' prefetch (bytes ahead, 1 if into L2 else 0) and the weight rows a
+// one-input-row bf16 block takes at a time.
+std::vector<int64_t> kernel_tuning() {
   return {specd::kFloatPrefetch.bytes, specd::kFloatPrefetch.to_l2, specd::kQuantPrefetch.bytes,
-          specd::kQuantPrefetch.to_l2};
+          specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows};
 }
 
 TORCH_LIBRARY(specd_kernels, m) {
@@ -266,7 +267,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
   m.def("stream_read(Tensor buffer) -> int");
   m.def("advise_huge_pages(Tensor t) -> bool", &advise_huge_pages);
-  m.def("prefetch_policy() -> int[]", &prefetch_policy);
+  m.def("kernel_tuning() -> int[]", &kernel_tuning);
 }
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);

@@ -1,0 +1,84 @@
+"""The kernels' per-CPU choices (``services/engine/kernels/linear.h``): the software prefetch of each
+kernel family and the weight rows a one-input-row bf16 block takes at a time, fixed once per process
+for the CPU and overridden by ``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT`` and
+``SPECD_BF16_ONE_ROW_WEIGHT_ROWS`` for A/B runs. Their speed is the benchmark's to show; here: each
+process reads the choices it was given, a malformed switch keeps the default, and no choice changes
+a result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specd.services.engine import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.ensure_built(), reason="the AVX2 kernels are unavailable here")
+REPO = Path(__file__).resolve().parents[2]
+SWITCHES = ("SPECD_PREFETCH", "SPECD_PREFETCH_QUANT", "SPECD_BF16_ONE_ROW_WEIGHT_ROWS")
+
+# In a fresh interpreter (the choices are fixed when the kernels load): the choices, and hashes of a
+# bf16 and an int4 product for one input row and for three.
+PROBE = """
+import hashlib, json, torch
+from specd.services.engine import kernels
+assert kernels.ensure_built()
+torch.manual_seed(0)
+w = torch.randn(4096, 1536).to(torch.bfloat16)
+x = torch.randn(3, 1536)
+q = torch.ops.specd_kernels.quantize_int4(w.float())
+outs = {}
+for rows in (1, 3):
+    y = torch.ops.specd_kernels.bf16_linear(x[:rows], w, None)
+    z = torch.ops.specd_kernels.int4_linear(x[:rows], q, None)
+    outs[f"bf16_{rows}"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
+    outs[f"int4_{rows}"] = hashlib.sha256(z.numpy().tobytes()).hexdigest()
+t = kernels.kernel_tuning()
+print(json.dumps({"tuning": [list(t.float_prefetch), list(t.quant_prefetch), t.bf16_one_row_weight_rows], **outs}))
+"""
+
+
+def _probe(**env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**clean, **env}, cwd=REPO, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _amd_with_avx512() -> bool:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return "AuthenticAMD" in info and " avx512f" in info
+
+
+def test_the_defaults_follow_the_cpu() -> None:
+    float_prefetch, quant_prefetch, one_row = _probe()["tuning"]
+    amd = _amd_with_avx512()
+    assert float_prefetch == ([16384, True] if amd else [4096, False])
+    assert quant_prefetch == [4096, False]
+    assert one_row == (1 if amd else 2)
+
+
+def test_switches_override_each_choice_and_never_change_a_result() -> None:
+    default = _probe()
+    runs = {
+        "float": _probe(SPECD_PREFETCH="l1:2048"),
+        "quant": _probe(SPECD_PREFETCH_QUANT="l2:8192"),
+        "rows 1": _probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="1"),
+        "rows 2": _probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="2"),
+        "malformed": _probe(SPECD_PREFETCH="fast", SPECD_PREFETCH_QUANT="l3:64", SPECD_BF16_ONE_ROW_WEIGHT_ROWS="7"),
+    }
+    f, q, r = default["tuning"]
+    assert runs["float"]["tuning"] == [[2048, False], q, r]
+    assert runs["quant"]["tuning"] == [f, [8192, True], r]
+    assert runs["rows 1"]["tuning"] == [f, q, 1]
+    assert runs["rows 2"]["tuning"] == [f, q, 2]
+    assert runs["malformed"]["tuning"] == default["tuning"]
+    for name, run in runs.items():
+        assert {k: v for k, v in run.items() if k != "tuning"} == {
+            k: v for k, v in default.items() if k != "tuning"
+        }, name
