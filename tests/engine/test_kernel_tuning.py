@@ -79,6 +79,6 @@ def test_switches_override_each_choice_and_never_change_a_result() -> None:
     assert runs["rows 2"]["tuning"] == [f, q, 2]
     assert runs["malformed"]["tuning"] == default["tuning"]
     for name, run in runs.items():
-        assert {k: v for k, v in run.items() if k != "tuning"} == {
-            k: v for k, v in default.items() if k != "tuning"
-        }, name
+        assert {k: v for k, v in run.items() if k != "tuning"} == {k: v for k, v in default.items() if k != "tuning"}, (
+            name
+        )
