@@ -89,8 +89,9 @@ inline bool env_is(const char* name, const char* value) {
 //   to 20-21 GB/s on two threads (10-12 on one) where a plain read streamed 33-34 (0.56-0.70 of it);
 //   into L2 8-32 KB ahead, 0.85-0.98 (a standalone harness, runs alternated; 4 KB into L2 0.75-0.86,
 //   none 0.5). The 1.5B model's bf16 target alone 7.2-7.7 -> 9.3-10.8 tok/s. Its int4 target went the
-//   other way (L2 4-16 KB ahead 18-21 tok/s against 23-27 into L1): the int8 and int4 kernels do more
-//   work per byte and keep the default.
+//   other way (L2 4-16 KB ahead 18-21 tok/s against 23-27 into L1) and its int8 target moved within
+//   noise (medians of six alternated pairs 18.9 against 18.8): the int8 and int4 kernels, which do
+//   more work per byte, keep the default.
 // SPECD_PREFETCH (the bf16 and fp32 kernels) and SPECD_PREFETCH_QUANT (int8 and int4) = l1:BYTES or
 // l2:BYTES override them, for A/B runs. A prefetch past the end of a buffer never faults.
 struct PrefetchPolicy {
@@ -108,8 +109,12 @@ inline PrefetchPolicy prefetch_policy(const char* env_name, PrefetchPolicy fallb
 }
 
 // AMD with AVX-512 (Zen 4 and later), where the float kernels stream differently (above, and
-// kBf16OneRowWeightRows below).
-inline bool amd_avx512() { return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f"); }
+// kBf16OneRowWeightRows below). Called while the library's constants are initialised, which may come
+// before libgcc's own CPU detection has run: hence __builtin_cpu_init.
+inline bool amd_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
+}
 
 inline const PrefetchPolicy kFloatPrefetch =
     prefetch_policy("SPECD_PREFETCH", amd_avx512() ? PrefetchPolicy{16384, true} : PrefetchPolicy{4096, false});

@@ -245,8 +245,6 @@ bool advise_huge_pages(const at::Tensor& t) {
   return specd::advise_huge_pages(t.data_ptr(), t.nbytes());
 }
 
-}  // namespace
-
 // The choices this process made for its CPU (linear.h), so that tests can check the A/B switches: the
 // float and the quantized kernels' prefetch (bytes ahead, 1 if into L2 else 0) and the weight rows a
 // one-input-row bf16 block takes at a time.
@@ -254,6 +252,8 @@ std::vector<int64_t> kernel_tuning() {
   return {specd::kFloatPrefetch.bytes, specd::kFloatPrefetch.to_l2, specd::kQuantPrefetch.bytes,
           specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows};
 }
+
+}  // namespace
 
 TORCH_LIBRARY(specd_kernels, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
