@@ -71,6 +71,7 @@ def test_switches_override_each_choice_and_never_change_a_result() -> None:
         "rows 1": _probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="1"),
         "rows 2": _probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="2"),
         "malformed": _probe(SPECD_PREFETCH="fast", SPECD_PREFETCH_QUANT="l3:64", SPECD_BF16_ONE_ROW_WEIGHT_ROWS="7"),
+        "not a number": _probe(SPECD_PREFETCH="l2:16k", SPECD_PREFETCH_QUANT="l1:-64"),
     }
     f, q, r = default["tuning"]
     assert runs["float"]["tuning"] == [[2048, False], q, r]
@@ -78,6 +79,7 @@ def test_switches_override_each_choice_and_never_change_a_result() -> None:
     assert runs["rows 1"]["tuning"] == [f, q, 1]
     assert runs["rows 2"]["tuning"] == [f, q, 2]
     assert runs["malformed"]["tuning"] == default["tuning"]
+    assert runs["not a number"]["tuning"] == default["tuning"]
     for name, run in runs.items():
         assert {k: v for k, v in run.items() if k != "tuning"} == {k: v for k, v in default.items() if k != "tuning"}, (
             name

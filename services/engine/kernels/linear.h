@@ -99,11 +99,14 @@ struct PrefetchPolicy {
   bool to_l2;
 };
 
+// "l1:BYTES" or "l2:BYTES", BYTES a whole number; anything else keeps the fallback (a typo such as
+// "l2:16k" must not silently become a prefetch 0 bytes ahead).
 inline PrefetchPolicy prefetch_policy(const char* env_name, PrefetchPolicy fallback) {
   if (const char* env = std::getenv(env_name)) {
     const std::string s(env);
-    if (s.size() > 3 && (s.compare(0, 3, "l1:") == 0 || s.compare(0, 3, "l2:") == 0))
-      return {std::max<int64_t>(0, std::atoll(s.c_str() + 3)), s[1] == '2'};
+    const bool digits = s.size() > 3 && s.size() <= 12 && s.find_first_not_of("0123456789", 3) == std::string::npos;
+    if (digits && (s.compare(0, 3, "l1:") == 0 || s.compare(0, 3, "l2:") == 0))
+      return {std::atoll(s.c_str() + 3), s[1] == '2'};
   }
   return fallback;
 }
