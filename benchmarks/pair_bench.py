@@ -283,7 +283,8 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
 
     bw = measure_read_bandwidth()  # measured in this run, on the threads the engine decodes with
     bound = {
-        "bandwidth_gb_s": bw.best_gb_s,
+        "bandwidth_gb_s": bw.best_gb_s,  # raised to the best reading of the run (_raise_bound)
+        "bandwidth_start_gb_s": bw.best_gb_s,
         "bandwidth_median_gb_s": bw.median_gb_s,
         "specd_bf16_bytes_per_token": safetensors_bytes_per_token(cfg.target, torch.finfo(DTYPES[cfg.dtype]).bits // 8),
     }
@@ -385,6 +386,7 @@ def _paired_target_only(engine: Engine, prompts, cfg: PairBenchConfig, run: Run,
     rate = (run.decode_tokens - tokens) / (run.decode_seconds - seconds)
     after = measure_read_bandwidth(buffer_gb=1.0, reps=3)
     bandwidth = max(before.best_gb_s, after.best_gb_s)
+    _raise_bound(bound, bandwidth)
     bytes_per_token = bound["specd_bf16_bytes_per_token"]
     bound.setdefault("target_only_passes", []).append(
         {
@@ -396,6 +398,18 @@ def _paired_target_only(engine: Engine, prompts, cfg: PairBenchConfig, run: Run,
             "share_of_bound": round(rate * bytes_per_token / (bandwidth * 1e9), 3),
         }
     )
+
+
+def _raise_bound(bound: dict, gb_s: float) -> None:
+    """Raise the run's bandwidth to ``gb_s`` where that reading is higher, and every bound derived
+    from it (``X_bound_tokens_per_second`` from ``X_bytes_per_token``): the run-wide bound is the
+    most a read reached at any moment of the run, so a run that started in the VM's slow minutes is
+    not judged against them (a share of the bound above 1 was reported so)."""
+    if gb_s <= bound["bandwidth_gb_s"]:
+        return
+    bound["bandwidth_gb_s"] = gb_s
+    for key in [k for k in bound if k.endswith("_bytes_per_token")]:
+        bound[key.removesuffix("_bytes_per_token") + "_bound_tokens_per_second"] = round(gb_s * 1e9 / bound[key], 2)
 
 
 def _write(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str, out: Path) -> dict:
