@@ -33,6 +33,12 @@ against activations quantized per row to int8 (``--quantize int4``, ``--draft-qu
 Where the CPU has AVX-512 VNNI, rows of whole 256-weight super-blocks run in 512-bit registers, bit
 for bit the AVX2 blocks' (``SPECD_AVX512=0`` again keeps the AVX2 ones).
 
+``SPECD_BF16_DOT=1`` (opt-in, CPUs with AVX512-BF16): bf16 layers round each input row to bf16 and
+multiply with ``vdpbf16ps`` (``linear.h``, ``bf16_dot_rows``), half the arithmetic of the fp32-input
+blocks, which bounds verifying several rows on a 2-core Zen 4; batch invariant among themselves, so
+speculation stays token-identical to the target alone, but the activations lose their low 16 bits at
+every layer's input (as a bf16 model's do in ``transformers``).
+
 ``kernel_tuning``: what this process's kernels chose for the CPU (``linear.h``): how far ahead each
 kernel family prefetches its weights and into which cache (``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``),
 and how many weight rows a one-input-row bf16 block takes at a time (``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``);
