@@ -393,12 +393,13 @@ inline bool use_avx512() {
 // fp32. Half the arithmetic of the fp32 blocks above, whose every weight costs one FMA lane per input
 // row: on the 2-core Zen 4 VM (2026-12-06, a 1 GB 1536-wide matrix, fast minutes) verifying 4 and 7
 // rows streamed 26-36 and 22 GB/s on them against 50 and 45 with a first version of this (one
-// accumulator per output); `auto` on the real pair 1.15x (docs/models.md, "bf16 dot products"). Not bit-identical to the fp32 blocks
-// (the activations lose their low 16 bits at every layer's input, as a bf16 model's activations do in
-// `transformers`); batch invariant among themselves: each output is one fixed sequence per (input row,
-// weight row), two accumulators (even and odd 64-weight blocks; a last 32-block to the first, the K %
-// 32 tail, zero-padded, to the second) summed at the end, whatever the rows around it. So
-// speculation stays token-identical to the same process decoding alone.
+// accumulator per output); `auto` on the real pair 1.15x (docs/models.md, "bf16 dot products").
+// Not bit-identical to the fp32 blocks (the activations lose their low 16 bits at every layer's
+// input, as a bf16 model's activations do in `transformers`); batch invariant among themselves:
+// each output is one fixed sequence per (input row, weight row), two accumulators (even and odd
+// 64-weight blocks; a last 32-block to the first, the K % 32 tail, zero-padded, to the second) summed
+// at the end, whatever the rows around it. So speculation stays token-identical to the same process
+// decoding alone.
 #define SPECD_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 inline bool use_bf16_dot() {
