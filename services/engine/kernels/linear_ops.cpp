@@ -216,8 +216,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight) {
 
 // Reads every whole 64-byte line of buffer once, 32 bytes a load with the float kernels' prefetch, split
 // over torch's threads, and returns the XOR of all their 32-bit words (so the reads cannot be optimised
-// away, and the result is the same whatever the split): the machine's read bandwidth as the linear
-// kernels can draw on it (benchmarks/bandwidth.py).
+// away, and the result is the same whatever the split): one of the readers benchmarks/bandwidth.py
+// takes the best of. Not always the fastest: on the 2-core Zen 4 VM in its fast minutes it read 39-44
+// GB/s where torch.sum read 65-72 (2026-12-06), so there the bound is torch.sum's.
 int64_t stream_read(const at::Tensor& buffer) {
   TORCH_CHECK(buffer.is_contiguous(), "buffer must be contiguous");
   const auto* p = static_cast<const uint8_t*>(buffer.data_ptr());
