@@ -391,9 +391,10 @@ inline bool use_avx512() {
 // round each input row to bf16 once per call (round to nearest even, as `vcvtne2ps2bf16` does) and
 // multiply with `vdpbf16ps`, 32 weights of a row by 32 of an input row per instruction, accumulated in
 // fp32. Half the arithmetic of the fp32 blocks above, whose every weight costs one FMA lane per input
-// row: on the 2-core Zen 4 VM (2026-12-06, a 1 GB 1536-wide matrix, fast minutes) verifying 4 and 7
-// rows streamed 26-36 and 22 GB/s on them against 50 and 45 with a first version of this (one
-// accumulator per output); `auto` on the real pair 1.15x (docs/models.md, "bf16 dot products").
+// row: on the 2-core Zen 4 VM (2026-12-06, a 1 GB 1536-wide matrix, fast minutes, processes
+// alternated) 1, 4 and 7 input rows streamed 44, 52 and 32 GB/s here against 60, 27 and 17 on those
+// blocks (one row slower: four accumulators instead of two did not help it, and cost 5-7 rows a
+// register spill); `auto` on the real pair 1.15x (docs/models.md, "bf16 dot products").
 // Not bit-identical to the fp32 blocks (the activations lose their low 16 bits at every layer's
 // input, as a bf16 model's activations do in `transformers`); batch invariant among themselves:
 // each output is one fixed sequence per (input row, weight row), two accumulators (even and odd
