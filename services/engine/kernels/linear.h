@@ -393,8 +393,9 @@ inline bool use_avx512() {
 // fp32. Half the arithmetic of the fp32 blocks above, whose every weight costs one FMA lane per input
 // row: on the 2-core Zen 4 VM (2026-12-06, a 1 GB 1536-wide matrix, fast minutes, processes
 // alternated) 1, 4 and 7 input rows streamed 44, 52 and 32 GB/s here against 60, 27 and 17 on those
-// blocks (one row slower: four accumulators instead of two did not help it, and cost 5-7 rows a
-// register spill); `auto` on the real pair 1.15x (docs/models.md, "bf16 dot products").
+// blocks with the 16 KB prefetch for every row count (four accumulators instead of two did not help
+// one row, and cost 5-7 rows a register spill; a shorter prefetch did: kDotOneRowPrefetch); `auto`
+// on the real pair 1.15x (docs/models.md, "bf16 dot products").
 // Not bit-identical to the fp32 blocks (the activations lose their low 16 bits at every layer's
 // input, as a bf16 model's activations do in `transformers`); batch invariant among themselves:
 // each output is one fixed sequence per (input row, weight row), two accumulators (even and odd
@@ -412,6 +413,10 @@ inline bool use_bf16_dot() {
 }
 
 constexpr int64_t kDotRows = 7;
+// One input row streams best prefetching 4 KB ahead into L2, several rows 16 KB (kFloatPrefetch): on
+// the Zen 4 VM in its fast minutes one row 66 GB/s against 45 with 16 KB, 2-7 rows 41-44 against
+// 43-59 (2026-12-06, the matrix above). A prefetch changes no arithmetic, so no bits.
+constexpr PrefetchPolicy kDotOneRowPrefetch{4096, true};
 
 // Input rows [0, R) (bf16, row stride Kp, zero-padded past K) against weight rows [n0, n1).
 template <int R>
@@ -426,8 +431,8 @@ SPECD_BF16_DOT void bf16_dot_block(const uint16_t* xb, int64_t Kp, const uint16_
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= K32; k += 64) {
-      prefetch_ahead(wr + k, kFloatPrefetch);
-      prefetch_ahead(wr + k + 32, kFloatPrefetch);
+      prefetch_ahead(wr + k, R == 1 ? kDotOneRowPrefetch : kFloatPrefetch);
+      prefetch_ahead(wr + k + 32, R == 1 ? kDotOneRowPrefetch : kFloatPrefetch);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
 #pragma GCC unroll 8
