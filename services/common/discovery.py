@@ -94,9 +94,13 @@ class AddressWatcher:
             except TimeoutError:
                 pass
             self._wake.clear()
+            addresses = self.addresses
             # getaddrinfo blocks; keep it off the event loop.
-            endpoints = await loop.run_in_executor(None, resolve_all, self.addresses)
-            self._update(endpoints)
+            endpoints = await loop.run_in_executor(None, resolve_all, addresses)
+            # set_addresses may have replaced the addresses while that ran: its own resolution is the
+            # newer one, and reporting this stale one would flip the replicas back and forth.
+            if addresses is self.addresses:
+                self._update(endpoints)
 
     def _update(self, endpoints: tuple[str, ...]) -> None:
         if endpoints != self.endpoints:

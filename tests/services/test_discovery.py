@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import pytest
 
@@ -80,3 +81,36 @@ def test_watcher_reports_scale_changes_only(monkeypatch: pytest.MonkeyPatch) -> 
 
     asyncio.run(scenario())
     assert seen == [("10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051"), ("10.9.9.9:1",)]
+
+
+def test_a_resolution_overtaken_by_set_addresses_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The watcher's periodic lookup of the old addresses is still in flight when set_addresses
+    # replaces them; its late answer must not flip the replicas back to the old ones.
+    table = {"draft": ["10.0.0.1"]}
+    _fake_dns(monkeypatch, table)
+    started, release = threading.Event(), threading.Event()
+    real = discovery.resolve_all
+
+    def slow_for_old(addresses: tuple[str, ...]) -> tuple[str, ...]:
+        if addresses == ("draft:50051",) and threading.current_thread() is not threading.main_thread():
+            table["draft"] = ["10.0.0.1", "10.0.0.2"]  # a change, so a stale answer would be reported
+            started.set()
+            release.wait(5)
+        return real(addresses)
+
+    monkeypatch.setattr(discovery, "resolve_all", slow_for_old)
+    seen: list[tuple[str, ...]] = []
+    watcher = AddressWatcher(("draft:50051",), seen.append, interval=0.01, endpoints=("10.0.0.1:50051",))
+
+    async def scenario() -> None:
+        task = asyncio.create_task(watcher.run())
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        watcher.set_addresses(("10.9.9.9:1",))
+        release.set()
+        await asyncio.sleep(0.1)
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert seen == [("10.9.9.9:1",)]
+    assert watcher.endpoints == ("10.9.9.9:1",)
