@@ -1,9 +1,10 @@
 """The kernels' per-CPU choices (``services/engine/kernels/linear.h``): the software prefetch of each
-kernel family and the weight rows a one-input-row bf16 block takes at a time, fixed once per process
-for the CPU and overridden by ``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT`` and
-``SPECD_BF16_ONE_ROW_WEIGHT_ROWS`` for A/B runs. Their speed is the benchmark's to show; here: each
-process reads the choices it was given, a malformed switch keeps the default, and no choice changes
-a result."""
+kernel family, the weight rows a one-input-row bf16 block takes at a time and whether bf16 layers
+use AVX512-BF16 dot products, fixed once per process for the CPU and overridden by
+``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``, ``SPECD_BF16_ONE_ROW_WEIGHT_ROWS`` and
+``SPECD_BF16_DOT`` for A/B runs. Their speed is the benchmark's to show; here: each process reads the
+choices it was given, a malformed switch keeps the default, and no prefetch or row choice changes a
+result (the dot products do, by design: tests/engine/test_bf16_dot.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ from specd.services.engine import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.ensure_built(), reason="the AVX2 kernels are unavailable here")
 REPO = Path(__file__).resolve().parents[2]
-SWITCHES = ("SPECD_PREFETCH", "SPECD_PREFETCH_QUANT", "SPECD_BF16_ONE_ROW_WEIGHT_ROWS")
+SWITCHES = (
+    "SPECD_PREFETCH",
+    "SPECD_PREFETCH_QUANT",
+    "SPECD_BF16_ONE_ROW_WEIGHT_ROWS",
+    "SPECD_BF16_DOT",
+    "SPECD_AVX512",
+)
 
 # In a fresh interpreter (the choices are fixed when the kernels load): the choices, and hashes of a
 # bf16 and an int4 product for one input row and for three.
@@ -38,7 +45,8 @@ for rows in (1, 3):
     outs[f"bf16_{rows}"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
     outs[f"int4_{rows}"] = hashlib.sha256(z.numpy().tobytes()).hexdigest()
 t = kernels.kernel_tuning()
-print(json.dumps({"tuning": [list(t.float_prefetch), list(t.quant_prefetch), t.bf16_one_row_weight_rows], **outs}))
+print(json.dumps({"tuning": [list(t.float_prefetch), list(t.quant_prefetch), t.bf16_one_row_weight_rows],
+                  "bf16_dot": t.bf16_dot, **outs}))
 """
 
 
@@ -50,9 +58,12 @@ def _probe(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _cpuinfo() -> str:
+    return Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+
+
 def _amd_with_avx512() -> bool:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    return "AuthenticAMD" in info and " avx512f" in info
+    return "AuthenticAMD" in _cpuinfo() and " avx512f" in _cpuinfo()
 
 
 def test_the_defaults_follow_the_cpu() -> None:
@@ -63,15 +74,26 @@ def test_the_defaults_follow_the_cpu() -> None:
     assert one_row == (1 if amd else 2)
 
 
+def test_dot_products_where_the_cpu_has_avx512_bf16_and_no_tile_unit() -> None:
+    bf16_dot = " avx512_bf16" in _cpuinfo()
+    assert _probe()["bf16_dot"] is (bf16_dot and " amx_tile" not in _cpuinfo())
+    assert _probe(SPECD_BF16_DOT="1")["bf16_dot"] is bf16_dot
+    assert _probe(SPECD_BF16_DOT="0")["bf16_dot"] is False
+    assert _probe(SPECD_AVX512="0", SPECD_BF16_DOT="1")["bf16_dot"] is False  # the AVX2 blocks only
+
+
 def test_switches_override_each_choice_and_never_change_a_result() -> None:
-    default = _probe()
+    def probe(**env: str) -> dict:  # on the fp32-input bf16 blocks, which the row switch tunes
+        return _probe(SPECD_BF16_DOT="0", **env)
+
+    default = probe()
     runs = {
-        "float": _probe(SPECD_PREFETCH="l1:2048"),
-        "quant": _probe(SPECD_PREFETCH_QUANT="l2:8192"),
-        "rows 1": _probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="1"),
-        "rows 2": _probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="2"),
-        "malformed": _probe(SPECD_PREFETCH="fast", SPECD_PREFETCH_QUANT="l3:64", SPECD_BF16_ONE_ROW_WEIGHT_ROWS="7"),
-        "not a number": _probe(SPECD_PREFETCH="l2:16k", SPECD_PREFETCH_QUANT="l1:-64"),
+        "float": probe(SPECD_PREFETCH="l1:2048"),
+        "quant": probe(SPECD_PREFETCH_QUANT="l2:8192"),
+        "rows 1": probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="1"),
+        "rows 2": probe(SPECD_BF16_ONE_ROW_WEIGHT_ROWS="2"),
+        "malformed": probe(SPECD_PREFETCH="fast", SPECD_PREFETCH_QUANT="l3:64", SPECD_BF16_ONE_ROW_WEIGHT_ROWS="7"),
+        "not a number": probe(SPECD_PREFETCH="l2:16k", SPECD_PREFETCH_QUANT="l1:-64"),
     }
     f, q, r = default["tuning"]
     assert runs["float"]["tuning"] == [[2048, False], q, r]

@@ -13,7 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specd.services.engine.kernels import _cpu_has_avx2_fma, _cpu_has_avx512, _cpu_has_avx512_vnni, bf16_linear
+from specd.services.engine.kernels import (
+    _cpu_has_avx2_fma,
+    _cpu_has_avx512,
+    _cpu_has_avx512_vnni,
+    bf16_linear,
+    kernel_tuning,
+)
 
 pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="needs an x86 CPU with AVX2 and FMA")
 
@@ -80,8 +86,16 @@ def _on_avx2(op_name: str, weights: tuple, xs: list[torch.Tensor], tmp_path: Pat
     return torch.load(tmp_path / "out.pt")
 
 
+def _bf16_dot_in_use() -> bool:
+    tuning = kernel_tuning() if _cpu_has_avx2_fma() else None
+    return tuning is not None and tuning.bf16_dot
+
+
 @pytest.mark.skipif(not _cpu_has_avx512(), reason="no AVX-512 here: only the AVX2 blocks run")
 @pytest.mark.skipif(os.environ.get("SPECD_AVX512") == "0", reason="SPECD_AVX512=0: both sides would run AVX2")
+@pytest.mark.skipif(
+    _bf16_dot_in_use(), reason="bf16 layers take the dot products here; test_bf16_dot.py runs it with SPECD_BF16_DOT=0"
+)
 @pytest.mark.parametrize(("n", "k"), [(203, 136), (300, 1536)])
 def test_avx512_blocks_give_the_avx2_blocks_bits(op, tmp_path: Path, n: int, k: int) -> None:
     """The 512-bit blocks (decoding's 1-7 rows, prefill's 4 x 4) against the AVX2 ones (block, and

@@ -33,16 +33,17 @@ against activations quantized per row to int8 (``--quantize int4``, ``--draft-qu
 Where the CPU has AVX-512 VNNI, rows of whole 256-weight super-blocks run in 512-bit registers, bit
 for bit the AVX2 blocks' (``SPECD_AVX512=0`` again keeps the AVX2 ones).
 
-``SPECD_BF16_DOT=1`` (opt-in, CPUs with AVX512-BF16): bf16 layers round each input row to bf16 and
-multiply with ``vdpbf16ps`` (``linear.h``, ``bf16_dot_rows``), half the arithmetic of the fp32-input
-blocks, which bounds verifying several rows on a 2-core Zen 4; batch invariant among themselves, so
-speculation stays token-identical to the target alone, but the activations lose their low 16 bits at
-every layer's input (as a bf16 model's do in ``transformers``).
+On CPUs with AVX512-BF16 and no AMX tile unit (AMD Zen 4 and later) bf16 layers round each input
+row to bf16 and multiply with ``vdpbf16ps`` (``linear.h``, ``bf16_dot_rows``), half the arithmetic of
+the fp32-input blocks, which bounds verifying several rows on a 2-core Zen 4; batch invariant among
+themselves, so speculation stays token-identical to the target alone, while the activations lose
+their low 16 bits at every layer's input (as a bf16 model's do in ``transformers`` and llama.cpp).
+``SPECD_BF16_DOT=0`` keeps the fp32-input blocks.
 
 ``kernel_tuning``: what this process's kernels chose for the CPU (``linear.h``): how far ahead each
 kernel family prefetches its weights and into which cache (``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``),
-and how many weight rows a one-input-row bf16 block takes at a time (``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``);
-the switches are for A/B runs.
+how many weight rows a one-input-row bf16 block takes at a time (``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``),
+and whether bf16 layers use the dot products (``SPECD_BF16_DOT``); the switches are for A/B runs.
 
 ``advise_huge_pages``: transparent huge pages under what decoding streams (``huge_pages.h``). The
 fused decoder puts every weight it reads there itself (on the 2-core Xeon VM the 1.5B target
@@ -205,11 +206,12 @@ class KernelTuning(NamedTuple):
     float_prefetch: Prefetch  # bf16 and fp32 kernels (SPECD_PREFETCH)
     quant_prefetch: Prefetch  # int8 and int4 (SPECD_PREFETCH_QUANT)
     bf16_one_row_weight_rows: int  # weight rows per step of a one-input-row bf16 block (SPECD_BF16_ONE_ROW_WEIGHT_ROWS)
+    bf16_dot: bool  # bf16 layers multiply with AVX512-BF16 dot products, inputs rounded to bf16 (SPECD_BF16_DOT)
 
 
 def kernel_tuning() -> KernelTuning | None:
     """The kernels' per-CPU choices in this process (fixed when they load); None without the kernels."""
     if not ensure_built():
         return None
-    fb, fl2, qb, ql2, rows = torch.ops.specd_kernels.kernel_tuning()
-    return KernelTuning(Prefetch(fb, bool(fl2)), Prefetch(qb, bool(ql2)), rows)
+    fb, fl2, qb, ql2, rows, dot = torch.ops.specd_kernels.kernel_tuning()
+    return KernelTuning(Prefetch(fb, bool(fl2)), Prefetch(qb, bool(ql2)), rows, bool(dot))

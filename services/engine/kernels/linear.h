@@ -386,28 +386,31 @@ inline bool use_avx512() {
   return yes;
 }
 
-// ------------------------------------------------------------------------- bf16 dot products (opt-in)
-// SPECD_BF16_DOT=1, on CPUs with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and later): bf16 layers
-// round each input row to bf16 once per call (round to nearest even, as `vcvtne2ps2bf16` does) and
-// multiply with `vdpbf16ps`, 32 weights of a row by 32 of an input row per instruction, accumulated in
-// fp32. Half the arithmetic of the fp32 blocks above, whose every weight costs one FMA lane per input
-// row: on the 2-core Zen 4 VM (2026-12-06, a 1 GB 1536-wide matrix, fast minutes, processes
-// alternated) 1, 4 and 7 input rows streamed 44, 52 and 32 GB/s here against 60, 27 and 17 on those
-// blocks with the 16 KB prefetch for every row count (four accumulators instead of two did not help
-// one row, and cost 5-7 rows a register spill; a shorter prefetch did: kDotOneRowPrefetch); `auto`
-// on the real pair 1.15x (docs/models.md, "bf16 dot products").
-// Not bit-identical to the fp32 blocks (the activations lose their low 16 bits at every layer's
-// input, as a bf16 model's activations do in `transformers`); batch invariant among themselves:
-// each output is one fixed sequence per (input row, weight row), two accumulators (even and odd
-// 64-weight blocks; a last 32-block to the first, the K % 32 tail, zero-padded, to the second) summed
-// at the end, whatever the rows around it. So speculation stays token-identical to the same process
-// decoding alone.
+// ------------------------------------------------------------------------------- bf16 dot products
+// On CPUs with AVX512-BF16 and no AMX tile unit (AMD Zen 4 and later), bf16 layers round each input
+// row to bf16 once per call (round to nearest even, as `vcvtne2ps2bf16` does) and multiply with
+// `vdpbf16ps`, 32 weights of a row by 32 of an input row per instruction, accumulated in fp32. Half
+// the arithmetic of the fp32-input blocks above, whose every weight costs one FMA lane per input row,
+// which bounds verifying several rows there: on the 2-core Zen 4 VM (2026-12-06, a 1 GB 1536-wide
+// matrix, fast minutes, processes alternated) 1, 4 and 7 input rows streamed 66, 52 and 32 GB/s here
+// against 60, 27 and 17 on those blocks; `auto` on the real pair 1.15x, a 1,500-token prefill 1.3x
+// (docs/models.md, "bf16 dot products").
+// Not bit-identical to the fp32-input blocks: the activations lose their low 16 bits at every
+// layer's input, as a bf16 model's do in `transformers` and llama.cpp (which rounds them to its bf16
+// weights' dot type). Batch invariant among themselves: each output is one fixed sequence per
+// (input row, weight row), two accumulators (even and odd 64-weight blocks; a last 32-block to the
+// first, the K % 32 tail, zero-padded, to the second) summed at the end, whatever the rows around it.
+// So speculation stays token-identical to the same process decoding alone.
+// SPECD_BF16_DOT=0 keeps the fp32-input blocks (=1 uses the dot products on an AMX host too, where
+// the tiles keep near-fp32 inputs and stay the default); SPECD_AVX512=0 keeps the AVX2 blocks, so
+// no dot products either.
 #define SPECD_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 inline bool use_bf16_dot() {
   static const bool yes = [] {
     __builtin_cpu_init();
-    return env_is("SPECD_BF16_DOT", "1") && __builtin_cpu_supports("avx512bf16");
+    if (!__builtin_cpu_supports("avx512bf16") || !use_avx512() || env_is("SPECD_BF16_DOT", "0")) return false;
+    return env_is("SPECD_BF16_DOT", "1") || !__builtin_cpu_supports("amx-tile");
   }();
   return yes;
 }

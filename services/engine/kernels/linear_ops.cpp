@@ -251,7 +251,7 @@ bool advise_huge_pages(const at::Tensor& t) {
 // one-input-row bf16 block takes at a time.
 std::vector<int64_t> kernel_tuning() {
   return {specd::kFloatPrefetch.bytes, specd::kFloatPrefetch.to_l2, specd::kQuantPrefetch.bytes,
-          specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows};
+          specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows, specd::use_bf16_dot()};
 }
 
 }  // namespace
