@@ -614,10 +614,27 @@ def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) ->
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "python": sys.version.split()[0],
+        "kernel_tuning": _kernel_tuning(),
         "llama_cpp": llama_note or "built",
         "bound": bound,
         "goals": goals,
         "rows": rows,
+    }
+
+
+def _kernel_tuning() -> dict | None:
+    """What this process's CPU kernels chose (prefetch, one-row block, bf16 dot products), so a
+    result says which blocks ran; None without the kernels."""
+    from specd.services.engine import kernels
+
+    tuning = kernels.kernel_tuning()
+    if tuning is None:
+        return None
+    return {
+        "float_prefetch": tuning.float_prefetch._asdict(),
+        "quant_prefetch": tuning.quant_prefetch._asdict(),
+        "bf16_one_row_weight_rows": tuning.bf16_one_row_weight_rows,
+        "bf16_dot": tuning.bf16_dot,
     }
 
 
