@@ -416,10 +416,17 @@ inline bool use_bf16_dot() {
 }
 
 constexpr int64_t kDotRows = 7;
-// One input row streams best prefetching 4 KB ahead into L2, several rows 16 KB (kFloatPrefetch): on
-// the Zen 4 VM in its fast minutes one row 66 GB/s against 45 with 16 KB, 2-7 rows 41-44 against
-// 43-59 (2026-12-06, the matrix above). A prefetch changes no arithmetic, so no bits.
-constexpr PrefetchPolicy kDotOneRowPrefetch{4096, true};
+// One input row streams best with a non-temporal prefetch 512 bytes ahead, several rows with the 16 KB
+// prefetch into L2 (kFloatPrefetch). Long rows are the weak shape: one input row against six 27.5 MB
+// matrices on the Zen 4 VM in its fast minutes (2026-12-06, rounds alternated) streamed 58 GB/s at
+// widths 768-4480 and 43 at 8960 (the down projection), 38 at 17920; a 8960-wide bf16 input row and
+// a weight row, 17.5 KB each, overfill the 32 KB L1, and a non-temporal prefetch presumably keeps the
+// weights, read once, from evicting the input row (the gain measured, the mechanism not): 40 against
+// 38 GB/s on the down projection's shape, 62 against 59 on the MLP's first, and in one process, the
+// 1.5B target decoding alone, rounds alternated, 1.05x median over 60 rounds (faster in 44, quartiles
+// 1.00-1.08; medians 14.5 against 13.9 tok/s in the fast minutes, 11.0 against 10.7 in the slow ones)
+// against the 4 KB L2 prefetch the one-row block had. A prefetch changes no arithmetic, so no bits.
+constexpr int64_t kDotOneRowNtaBytes = 512;
 
 // Input rows [0, R) (bf16, row stride Kp, zero-padded past K) against weight rows [n0, n1).
 template <int R>
@@ -434,8 +441,13 @@ SPECD_BF16_DOT void bf16_dot_block(const uint16_t* xb, int64_t Kp, const uint16_
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= K32; k += 64) {
-      prefetch_ahead(wr + k, R == 1 ? kDotOneRowPrefetch : kFloatPrefetch);
-      prefetch_ahead(wr + k + 32, R == 1 ? kDotOneRowPrefetch : kFloatPrefetch);
+      if constexpr (R == 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kDotOneRowNtaBytes, _MM_HINT_NTA);
+        _mm_prefetch(reinterpret_cast<const char*>(wr + k + 32) + kDotOneRowNtaBytes, _MM_HINT_NTA);
+      } else {
+        prefetch_ahead(wr + k, kFloatPrefetch);
+        prefetch_ahead(wr + k + 32, kFloatPrefetch);
+      }
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
 #pragma GCC unroll 8
