@@ -418,14 +418,15 @@ inline bool use_bf16_dot() {
 constexpr int64_t kDotRows = 7;
 // One input row streams best with a non-temporal prefetch 512 bytes ahead, several rows with the 16 KB
 // prefetch into L2 (kFloatPrefetch). Long rows are the weak shape: one input row against six 27.5 MB
-// matrices on the Zen 4 VM in its fast minutes (2026-12-06, rounds alternated) streamed 58 GB/s at
-// widths 768-4480 and 43 at 8960 (the down projection), 38 at 17920; a 8960-wide bf16 input row and
-// a weight row, 17.5 KB each, overfill the 32 KB L1, and a non-temporal prefetch presumably keeps the
-// weights, read once, from evicting the input row (the gain measured, the mechanism not): 40 against
-// 38 GB/s on the down projection's shape, 62 against 59 on the MLP's first, and in one process, the
-// 1.5B target decoding alone, rounds alternated, 1.05x median over 60 rounds (faster in 44, quartiles
-// 1.00-1.08; medians 14.5 against 13.9 tok/s in the fast minutes, 11.0 against 10.7 in the slow ones)
-// against the 4 KB L2 prefetch the one-row block had. A prefetch changes no arithmetic, so no bits.
+// matrices on the Zen 4 VM in its fast minutes (2026-12-06, rounds alternated, this prefetch)
+// streamed 56-59 GB/s at widths 768-4480, 43 at 8960 (the down projection), 38 at 17920; an
+// 8960-wide bf16 input row and a weight row, 17.5 KB each, overfill the 32 KB L1, and a non-temporal
+// prefetch presumably keeps the weights, read once, from evicting the input row (the gain measured,
+// the mechanism not): 40 against 38 GB/s on the down projection's shape, 62 against 59 on the MLP's
+// first, and in one process, the 1.5B target decoding alone, rounds alternated, 1.05x median over 60
+// rounds (faster in 44, quartiles 1.00-1.08; medians 14.5 against 13.9 tok/s in the fast minutes,
+// 11.0 against 10.7 in the slow ones) against the 4 KB L2 prefetch the one-row block had. A prefetch
+// changes no arithmetic, so no bits.
 constexpr int64_t kDotOneRowNtaBytes = 512;
 
 // Input rows [0, R) (bf16, row stride Kp, zero-padded past K) against weight rows [n0, n1).
