@@ -386,6 +386,15 @@ inline bool use_avx512() {
   return yes;
 }
 
+// Weight rows [0, N) split over the threads, each thread's share taken in tiles of `tile` rows
+// (fn(t0, t1) per tile), so that a tile stays in L2 while every block of input rows meets it.
+template <typename Fn>
+void for_each_weight_tile(int64_t N, int64_t tile, const Fn& fn) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) fn(t0, std::min(n1, t0 + tile));
+  });
+}
+
 // ------------------------------------------------------------------------------- bf16 dot products
 // On CPUs with AVX512-BF16 and no AMX tile unit (AMD Zen 4 and later), bf16 layers round each input
 // row to bf16 once per call (round to nearest even, as `vcvtne2ps2bf16` does) and multiply with
@@ -503,14 +512,10 @@ inline void bf16_dot_rows(const float* x, int64_t M, const uint16_t* w, int64_t 
   const int64_t Kp = (K + 31) / 32 * 32;
   std::vector<uint16_t> xb(M * Kp);
   round_rows_bf16(x, M, K, Kp, xb.data());
-  const int64_t tile = std::max<int64_t>(1, (256 * 1024) / (2 * K));
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
-        const int64_t R = std::min(kDotRows, M - m0);
-        kDotBlocks[R](xb.data() + m0 * Kp, Kp, w, K, bias, out + m0 * ldo, ldo, t0, t1);
-      }
+  for_each_weight_tile(N, std::max<int64_t>(1, (256 * 1024) / (2 * K)), [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
+      const int64_t R = std::min(kDotRows, M - m0);
+      kDotBlocks[R](xb.data() + m0 * Kp, Kp, w, K, bias, out + m0 * ldo, ldo, t0, t1);
     }
   });
 }
@@ -548,24 +553,21 @@ void linear_rows(const float* x, int64_t M, const C& c, int64_t N, const float* 
   // A whole number of block_halves' weight rows (else each tile's last rows take the slow path).
   const int64_t tile_rows = (256 * 1024) / c.bytes_per_row();
   const int64_t tile = std::max<int64_t>(kHalvesWeightRows, tile_rows / kHalvesWeightRows * kHalvesWeightRows);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      int64_t m0 = 0;
+  for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
+    int64_t m0 = 0;
+    if constexpr (std::is_same_v<C, Bf16Rows>)
+      if (use_avx512() && M >= halves_min_rows(K))  // block_halves' job, 4 x 4 in 512-bit registers
+        for (; m0 + kPrefillRows512 <= M; m0 += kPrefillRows512)
+          bf16_block_avx512<kPrefillRows512, kPrefillWeightRows512>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
+    if (M >= halves_min_rows(K))
+      for (; m0 + kHalvesRows <= M; m0 += kHalvesRows)
+        block_halves<C, kHalvesRows, kHalvesWeightRows>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
+    for (; m0 < M; m0 += kMaxRows) {
+      const int64_t R = std::min(kMaxRows, M - m0);
+      BlockFn<C> fn = kBlocks<C>[R];
       if constexpr (std::is_same_v<C, Bf16Rows>)
-        if (use_avx512() && M >= halves_min_rows(K))  // block_halves' job, 4 x 4 in 512-bit registers
-          for (; m0 + kPrefillRows512 <= M; m0 += kPrefillRows512)
-            bf16_block_avx512<kPrefillRows512, kPrefillWeightRows512>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
-      if (M >= halves_min_rows(K))
-        for (; m0 + kHalvesRows <= M; m0 += kHalvesRows)
-          block_halves<C, kHalvesRows, kHalvesWeightRows>(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
-      for (; m0 < M; m0 += kMaxRows) {
-        const int64_t R = std::min(kMaxRows, M - m0);
-        BlockFn<C> fn = kBlocks<C>[R];
-        if constexpr (std::is_same_v<C, Bf16Rows>)
-          if (use_avx512()) fn = R == 1 && kBf16OneRowWeightRows == 1 ? bf16_block_avx512<1, 1> : kBlocksAvx512[R];
-        fn(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
-      }
+        if (use_avx512()) fn = R == 1 && kBf16OneRowWeightRows == 1 ? bf16_block_avx512<1, 1> : kBlocksAvx512[R];
+      fn(x + m0 * K, c, bias, out + m0 * ldo, ldo, t0, t1);
     }
   });
 }
@@ -901,13 +903,10 @@ inline void int4_rows(const float* x, int64_t M, const uint8_t* packed, int64_t 
   if (wide) pair_order_q8(xq, M, K);
   const Q4BlockFn* blocks = wide ? kQ4BlocksAvx512 : kQ4Blocks;
   const int64_t tile = std::max<int64_t>(4, (256 * 1024) / int4_row_bytes(K));
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
-        const int64_t R = std::min(kMaxRowsQ4, M - m0);
-        blocks[R](xq, m0, packed, bias, out + m0 * ldo, K, ldo, t0, t1);
-      }
+  for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
+      const int64_t R = std::min(kMaxRowsQ4, M - m0);
+      blocks[R](xq, m0, packed, bias, out + m0 * ldo, K, ldo, t0, t1);
     }
   });
 }
@@ -1093,13 +1092,10 @@ inline void int8_rows(const float* x, int64_t M, const int8_t* w, const float* s
   const Q8Rows xq = quantize_rows_q8(x, M, K);
   const Q8BlockFn* blocks = use_avx512_vnni() ? kQ8BlocksAvx512 : kQ8Blocks;
   const int64_t tile = std::max<int64_t>(4, (256 * 1024) / K);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
-        const int64_t R = std::min(kMaxRowsQ4, M - m0);
-        blocks[R](xq, m0, w, scale, bias, out + m0 * ldo, K, ldo, t0, t1);
-      }
+  for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsQ4) {
+      const int64_t R = std::min(kMaxRowsQ4, M - m0);
+      blocks[R](xq, m0, w, scale, bias, out + m0 * ldo, K, ldo, t0, t1);
     }
   });
 }
