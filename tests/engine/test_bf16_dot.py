@@ -22,14 +22,9 @@ from specd.services.engine import kernels
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    return " avx512_bf16" in info
-
-
 pytestmark = [
     pytest.mark.skipif(not kernels.ensure_built(), reason="the AVX2 kernels are unavailable here"),
-    pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="no AVX512-BF16 here: the switch is ignored"),
+    pytest.mark.skipif(not kernels._cpu_has("avx512_bf16"), reason="no AVX512-BF16 here: the switch is ignored"),
 ]
 
 PRODUCTS = """

@@ -58,12 +58,9 @@ def _probe(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _cpuinfo() -> str:
-    return Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-
-
 def _amd_with_avx512() -> bool:
-    return "AuthenticAMD" in _cpuinfo() and " avx512f" in _cpuinfo()
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return "AuthenticAMD" in info and " avx512f" in info
 
 
 def test_the_defaults_follow_the_cpu() -> None:
@@ -75,8 +72,8 @@ def test_the_defaults_follow_the_cpu() -> None:
 
 
 def test_dot_products_where_the_cpu_has_avx512_bf16_and_no_tile_unit() -> None:
-    bf16_dot = " avx512_bf16" in _cpuinfo()
-    assert _probe()["bf16_dot"] is (bf16_dot and " amx_tile" not in _cpuinfo())
+    bf16_dot = kernels._cpu_has("avx512_bf16")
+    assert _probe()["bf16_dot"] is (bf16_dot and not kernels._cpu_has("amx_tile"))
     assert _probe(SPECD_BF16_DOT="1")["bf16_dot"] is bf16_dot
     assert _probe(SPECD_BF16_DOT="0")["bf16_dot"] is False
     assert _probe(SPECD_AVX512="0", SPECD_BF16_DOT="1")["bf16_dot"] is False  # the AVX2 blocks only
