@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specd.services.engine import kernels
 
@@ -49,8 +50,45 @@ print("ok")
 """
 
 
-def _fresh(dot: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SPECD_BF16_DOT": dot}
+CHUNKED = """
+import torch
+from specd.services.engine import kernels
+op = kernels.bf16_linear()
+chunked = torch.ops.specd_kernels.bf16_dot_chunked_linear
+# (rows, width, chunk): the real pair's down projections (8960 in two chunks, the draft's 4864 in two),
+# and small ones with several chunks and more weight rows than a tile.
+for n, k, c in [(75, 8960, 4480), (40, 4864, 2432), (300, 192, 64), (600, 256, 64), (257, 640, 128)]:
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(40, k, generator=g)
+    for m in (1, 2, 3, 7, 8, 9, 13, 40):
+        assert torch.equal(chunked(x[:m], w, b, c), op(x[:m], w, b)), (n, k, c, m)
+    assert torch.equal(chunked(x[:5], w, None, c), op(x[:5], w, None)), (n, k, c)
+print("ok")
+"""
+
+# A tiny model whose every linear layer has rows longer than SPECD_DOT_CHUNK=64 (hidden 128, MLP 192):
+# prefill two rows, then one pass of five tokens over both; its formats and logits to a file.
+FUSED = """
+import sys
+import torch
+from specd.services.engine import kernels
+from specd.services.engine.llama import load_llama
+from tests.engine.test_fused_decoder import _run
+from tests.tiny_models import random_hf_model
+hf = random_hf_model("qwen2", hidden_size=128, intermediate_size=192, num_key_value_heads=2)
+model = load_llama(hf.to(torch.bfloat16).to(torch.float32), torch.bfloat16, "cpu", prepack=False)
+assert model.forward_path == "fused", model.forward_path
+g = torch.Generator().manual_seed(3)
+prompts, steps = torch.randint(0, 300, (2, 30), generator=g), torch.randint(0, 300, (2, 5), generator=g)
+torch.save((kernels.kernel_tuning().dot_chunk, model.fused.formats(), _run(model, prompts, steps)), sys.argv[1])
+"""
+CHUNKED_FORMAT = 6  # linear.h, Format::kBf16DotChunked
+
+
+def _fresh(dot: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECD_BF16_DOT": dot, **env}
     return subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True)
 
 
@@ -75,3 +113,28 @@ def test_the_fused_decoder_stays_batch_invariant_and_speculation_token_identical
     out = _fresh(dot, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", " or ".join(tests))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], out.stdout[-500:]
+
+
+def test_rows_packed_in_chunks_give_the_rows_in_place_bits() -> None:
+    """Long rows packed chunk by chunk (``dot_chunk_pack``) give, bit for bit, the products of the rows
+    in place, at every block of input rows and through the prefill's tiles."""
+    out = _fresh("1", "-c", CHUNKED)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_fused_decoder_packs_long_rows_in_chunks_with_the_same_bits(tmp_path: Path) -> None:
+    """With ``SPECD_DOT_CHUNK=64`` the fused decoder packs every layer of a tiny model in chunks, and
+    its logits (a prefill, then a pass of several rows) are the bits of the same model with its rows
+    in place (``SPECD_DOT_CHUNK=0``): so the batch invariance and speculation identity shown on the
+    rows in place hold for the chunked layers too."""
+    runs = {}
+    for chunk in ("64", "0"):
+        path = tmp_path / f"chunk{chunk}.pt"
+        out = _fresh("1", "-c", FUSED, str(path), SPECD_DOT_CHUNK=chunk, SPECD_FUSED="1")
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[chunk] = torch.load(path)
+    (limit, formats, chunked), (off, whole_formats, whole) = runs["64"], runs["0"]
+    assert (limit, off) == (64, 0)
+    assert formats.count(CHUNKED_FORMAT) == len(formats), formats  # every part packed in chunks
+    assert CHUNKED_FORMAT not in whole_formats, whole_formats
+    assert torch.equal(chunked, whole)

@@ -26,6 +26,7 @@ SWITCHES = (
     "SPECD_BF16_ONE_ROW_WEIGHT_ROWS",
     "SPECD_BF16_DOT",
     "SPECD_AVX512",
+    "SPECD_DOT_CHUNK",
 )
 
 # In a fresh interpreter (the choices are fixed when the kernels load): the choices, and hashes of a
@@ -46,7 +47,7 @@ for rows in (1, 3):
     outs[f"int4_{rows}"] = hashlib.sha256(z.numpy().tobytes()).hexdigest()
 t = kernels.kernel_tuning()
 print(json.dumps({"tuning": [list(t.float_prefetch), list(t.quant_prefetch), t.bf16_one_row_weight_rows],
-                  "bf16_dot": t.bf16_dot, **outs}))
+                  "bf16_dot": t.bf16_dot, "dot_chunk": t.dot_chunk, **outs}))
 """
 
 
@@ -77,6 +78,19 @@ def test_dot_products_where_the_cpu_has_avx512_bf16_and_no_tile_unit() -> None:
     assert _probe(SPECD_BF16_DOT="1")["bf16_dot"] is bf16_dot
     assert _probe(SPECD_BF16_DOT="0")["bf16_dot"] is False
     assert _probe(SPECD_AVX512="0", SPECD_BF16_DOT="1")["bf16_dot"] is False  # the AVX2 blocks only
+
+
+@pytest.mark.skipif(not kernels._cpu_has("avx512_bf16"), reason="no AVX512-BF16 here: no dot products to chunk")
+def test_the_chunk_limit_of_long_rows() -> None:
+    """Rows longer than 4480 weights are packed in chunks (``SPECD_DOT_CHUNK``: another limit of at
+    least 64, or 0 for never); a malformed or too small value keeps the default; without the dot
+    products nothing is chunked."""
+    assert _probe(SPECD_BF16_DOT="1")["dot_chunk"] == 4480
+    assert _probe(SPECD_BF16_DOT="1", SPECD_DOT_CHUNK="64")["dot_chunk"] == 64
+    assert _probe(SPECD_BF16_DOT="1", SPECD_DOT_CHUNK="0")["dot_chunk"] == 0
+    for bad in ("32", "4k", "-64", ""):
+        assert _probe(SPECD_BF16_DOT="1", SPECD_DOT_CHUNK=bad)["dot_chunk"] == 4480, bad
+    assert _probe(SPECD_BF16_DOT="0")["dot_chunk"] == 0
 
 
 def test_switches_override_each_choice_and_never_change_a_result() -> None:

@@ -207,11 +207,13 @@ class KernelTuning(NamedTuple):
     quant_prefetch: Prefetch  # int8 and int4 (SPECD_PREFETCH_QUANT)
     bf16_one_row_weight_rows: int  # weight rows per step of a one-input-row bf16 block (SPECD_BF16_ONE_ROW_WEIGHT_ROWS)
     bf16_dot: bool  # bf16 layers multiply with AVX512-BF16 dot products, inputs rounded to bf16 (SPECD_BF16_DOT)
+    # With them, the fused decoder packs rows longer than this many weights in chunks (0: never; SPECD_DOT_CHUNK)
+    dot_chunk: int
 
 
 def kernel_tuning() -> KernelTuning | None:
     """The kernels' per-CPU choices in this process (fixed when they load); None without the kernels."""
     if not ensure_built():
         return None
-    fb, fl2, qb, ql2, rows, dot = torch.ops.specd_kernels.kernel_tuning()
-    return KernelTuning(Prefetch(fb, bool(fl2)), Prefetch(qb, bool(ql2)), rows, bool(dot))
+    fb, fl2, qb, ql2, rows, dot, chunk = torch.ops.specd_kernels.kernel_tuning()
+    return KernelTuning(Prefetch(fb, bool(fl2)), Prefetch(qb, bool(ql2)), rows, bool(dot), chunk)

@@ -111,8 +111,9 @@ at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& optio
 }
 
 // A bf16 layer that fits the tile unit's shapes is packed for it where the CPU has one (linear.h,
-// "bf16 on AMX"), an int8 layer for VNNI where the CPU has AVX-512 VNNI (linear.h, "int8 packed for
-// VNNI"): a copy, kept in ``packed``, as the per-op forward still reads the weights as they are.
+// "bf16 on AMX"), one with long rows in chunks where bf16 layers take dot products (linear.h,
+// kDotChunkWeights), an int8 layer for VNNI where the CPU has AVX-512 VNNI (linear.h, "int8 packed
+// for VNNI"): a copy, kept in ``packed``, as the per-op forward still reads the weights as they are.
 // Whatever the decoder streams, the copy or the weights in place, sits in huge pages (huge_pages.h).
 LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
                         std::vector<at::Tensor>& packed) {
@@ -139,6 +140,13 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
       specd::amx_pack_bf16(static_cast<const uint16_t*>(w.data_ptr()), lw.N, lw.K,
                            static_cast<uint16_t*>(packed.back().data_ptr()));
       lw.format = Format::kBf16Amx;
+      lw.w = packed.back().data_ptr();
+    } else if (specd::use_bf16_dot() && specd::dot_chunk_of(lw.K) > 0) {
+      lw.chunk = specd::dot_chunk_of(lw.K);
+      packed.push_back(huge_page_empty(w.sizes(), w.options()));
+      specd::dot_chunk_pack(static_cast<const uint16_t*>(w.data_ptr()), lw.N, lw.K, lw.chunk,
+                            static_cast<uint16_t*>(packed.back().data_ptr()));
+      lw.format = Format::kBf16DotChunked;
       lw.w = packed.back().data_ptr();
     }
   }
@@ -555,8 +563,23 @@ class FusedDecoder : public torch::CustomClassHolder {
     });
   }
 
+ public:
+  // Each linear part's format (linear.h, Format), the head's first, then each layer's qkv, o, gate_up
+  // and down: what the decoder streams, for tests and diagnostics.
+  std::vector<int64_t> formats() const {
+    std::vector<int64_t> out;
+    auto add = [&](const LinearSet& set) {
+      for (const LinearWeights& p : set.parts) out.push_back(static_cast<int64_t>(p.format));
+    };
+    add(head_);
+    for (const Layer& layer : layers_)
+      for (const LinearSet* set : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) add(*set);
+    return out;
+  }
+
+ private:
   std::vector<at::Tensor> keep_;
-  std::vector<at::Tensor> packed_;  // weights packed for AMX or VNNI (linear_of)
+  std::vector<at::Tensor> packed_;  // weights packed for AMX, VNNI or chunked dot products (linear_of)
   at::Tensor embed_, final_norm_, inv_freq_;
   LinearSet head_;
   std::vector<Layer> layers_;
@@ -569,5 +592,6 @@ class FusedDecoder : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(specd_kernels, m) {
   m.class_<FusedDecoder>("FusedDecoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double, double>())
-      .def("forward", &FusedDecoder::forward);
+      .def("forward", &FusedDecoder::forward)
+      .def("formats", &FusedDecoder::formats);
 }

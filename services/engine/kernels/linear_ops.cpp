@@ -57,6 +57,25 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   return dense_linear(x, weight, bias, at::kBFloat16, Format::kBf16, "bf16");
 }
 
+// bf16 weights packed in chunks of `chunk` weights for the dot products (linear.h, kDotChunkWeights),
+// packed at each call: for tests (the fused decoder packs its long-row layers once).
+at::Tensor bf16_dot_chunked_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                   int64_t chunk) {
+  TORCH_CHECK(specd::use_bf16_dot(), "the bf16 dot products are off in this process");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D bf16 tensor");
+  TORCH_CHECK(chunk > 0 && chunk % 64 == 0 && weight.size(1) % chunk == 0,
+              "chunk must be a multiple of 64 that divides the rows' width");
+  const at::Tensor packed = at::empty_like(weight);
+  specd::dot_chunk_pack(static_cast<const uint16_t*>(weight.data_ptr()), weight.size(0), weight.size(1), chunk,
+                        static_cast<uint16_t*>(packed.data_ptr()));
+  at::Tensor b;
+  LinearWeights lw{Format::kBf16DotChunked, packed.data_ptr(), nullptr, bias_ptr(bias, b, weight.size(0)),
+                   weight.size(0), weight.size(1)};
+  lw.chunk = chunk;
+  return run(x, lw);
+}
+
 // bf16 weights on the tile unit (linear.h, "bf16 on AMX"), packed at each call: for tests and
 // microbenchmarks (the fused decoder packs its layers once).
 at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -251,7 +270,8 @@ bool advise_huge_pages(const at::Tensor& t) {
 // one-input-row bf16 block takes at a time, and 1 if bf16 layers take the dot products (use_bf16_dot).
 std::vector<int64_t> kernel_tuning() {
   return {specd::kFloatPrefetch.bytes, specd::kFloatPrefetch.to_l2, specd::kQuantPrefetch.bytes,
-          specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows, specd::use_bf16_dot()};
+          specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows, specd::use_bf16_dot(),
+          specd::use_bf16_dot() ? specd::dot_chunk_limit() : 0};
 }
 
 }  // namespace
@@ -259,6 +279,7 @@ std::vector<int64_t> kernel_tuning() {
 TORCH_LIBRARY(specd_kernels, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("bf16_dot_chunked_linear(Tensor x, Tensor weight, Tensor? bias, int chunk) -> Tensor");
   m.def("amx_bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("amx_usable() -> bool", &amx_usable);
   m.def("int8_vnni_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
@@ -273,6 +294,7 @@ TORCH_LIBRARY(specd_kernels, m) {
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
   m.impl("f32_linear", f32_linear);
+  m.impl("bf16_dot_chunked_linear", bf16_dot_chunked_linear);
   m.impl("amx_bf16_linear", amx_bf16_linear);
   m.impl("int8_vnni_linear", int8_vnni_linear);
   m.impl("int8_linear", int8_linear);
