@@ -623,8 +623,8 @@ def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) ->
 
 
 def _kernel_tuning() -> dict | None:
-    """What this process's CPU kernels chose (prefetch, one-row block, bf16 dot products), so a
-    result says which blocks ran; None without the kernels."""
+    """What this process's CPU kernels chose (prefetch, one-row block, bf16 dot products and their
+    chunked long rows), so a result says which blocks ran; None without the kernels."""
     from specd.services.engine import kernels
 
     tuning = kernels.kernel_tuning()
@@ -635,6 +635,7 @@ def _kernel_tuning() -> dict | None:
         "quant_prefetch": tuning.quant_prefetch._asdict(),
         "bf16_one_row_weight_rows": tuning.bf16_one_row_weight_rows,
         "bf16_dot": tuning.bf16_dot,
+        "dot_chunk": tuning.dot_chunk,
     }
 
 
