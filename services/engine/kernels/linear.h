@@ -439,13 +439,13 @@ constexpr int64_t kDotRows = 7;
 constexpr int64_t kDotOneRowNtaBytes = 512;
 
 // Rows longer than this many weights (the down projection's 8960, say) are packed in chunks of at most
-// as many (a multiple of 64 that divides K, at least half of it; else the rows stay whole), chunk by
+// as many (a multiple of 64 that divides K, at least half the limit; else the rows stay whole), chunk by
 // chunk: every weight row's first chunk, then every row's second, ... ([K / KC][N][KC]). The one-row
 // block then streams rows of KC weights against KC inputs, the shape that streams at full speed: on the
 // Zen 4 VM (2026-12-06, one input row against 28 matrices of 1536 x 8960, rounds alternated with a 1 GB
 // read in one process, 1,755 rounds) 60.1 GB/s against 42.5 in place in its fast minutes (the read
 // 59.9), 35.4 against 32.6 in its slow ones (the read 35.2). Each output keeps its two accumulators
-// from chunk to chunk (stored beside the rows between chunks), so the products are the same sequence
+// from chunk to chunk (in a per-thread buffer between chunks), so the products are the same sequence
 // of dot products as the rows in place: the same bits, which the tests check. A copy, as the tile
 // unit's and VNNI's packs are: the per-op forward still reads the weights as they are.
 // SPECD_DOT_CHUNK = a number of weights (at least 64) sets the limit, 0 keeps every row whole.

@@ -267,7 +267,8 @@ bool advise_huge_pages(const at::Tensor& t) {
 
 // The choices this process made for its CPU (linear.h), so that tests can check the A/B switches: the
 // float and the quantized kernels' prefetch (bytes ahead, 1 if into L2 else 0), the weight rows a
-// one-input-row bf16 block takes at a time, and 1 if bf16 layers take the dot products (use_bf16_dot).
+// one-input-row bf16 block takes at a time, 1 if bf16 layers take the dot products (use_bf16_dot), and
+// then the row length past which they are packed in chunks (dot_chunk_limit; 0 without them or never).
 std::vector<int64_t> kernel_tuning() {
   return {specd::kFloatPrefetch.bytes, specd::kFloatPrefetch.to_l2, specd::kQuantPrefetch.bytes,
           specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows, specd::use_bf16_dot(),
