@@ -4,9 +4,10 @@ where there is no AMX tile unit (``SPECD_BF16_DOT=0`` keeps the fp32-input block
 dot products). Not the fp32-input blocks' bits, by design; what must hold is that the result is the
 product of the rounded input exactly up to fp32 accumulation, that every row's bits are independent
 of the rows around it, and so that bf16 greedy speculation stays token-identical to the target alone.
-The rest of the suite runs the default, so on such a CPU the dot products; the last test runs the
-fp32-input blocks' own checks with ``SPECD_BF16_DOT=0``. The switch is read once per process, so each
-check runs in a fresh interpreter."""
+The rest of the suite runs the default, so on such a CPU the dot products; one test here runs the
+fp32-input blocks' own checks with ``SPECD_BF16_DOT=0``. Layers with long rows are packed in chunks
+for the dot products (``dot_chunk_pack``), which must give the rows in place's bits. The switches are
+read once per process, so each check runs in a fresh interpreter."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """The kernels' per-CPU choices (``services/engine/kernels/linear.h``): the software prefetch of each
-kernel family, the weight rows a one-input-row bf16 block takes at a time and whether bf16 layers
-use AVX512-BF16 dot products, fixed once per process for the CPU and overridden by
-``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``, ``SPECD_BF16_ONE_ROW_WEIGHT_ROWS`` and
-``SPECD_BF16_DOT`` for A/B runs. Their speed is the benchmark's to show; here: each process reads the
-choices it was given, a malformed switch keeps the default, and no prefetch or row choice changes a
-result (the dot products do, by design: tests/engine/test_bf16_dot.py)."""
+kernel family, the weight rows a one-input-row bf16 block takes at a time, whether bf16 layers use
+AVX512-BF16 dot products and past which row length those are packed in chunks, fixed once per
+process for the CPU and overridden by ``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``,
+``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``, ``SPECD_BF16_DOT`` and ``SPECD_DOT_CHUNK`` for A/B runs. Their
+speed is the benchmark's to show; here: each process reads the choices it was given, a malformed
+switch keeps the default, and no prefetch or row choice changes a result (the dot products do, by
+design: tests/engine/test_bf16_dot.py)."""
 
 from __future__ import annotations
 
