@@ -584,38 +584,33 @@ SPECD_BF16_DOT inline void round_rows_bf16(const float* x, int64_t M, int64_t K,
 
 // y[M, N] (row stride ldo) = x[M, K] W^T + b with bf16 dot products, threads splitting the weight rows
 // and each thread's rows taken in L2-sized tiles that every block of up to kDotRows input rows meets.
+// W is [N, K] in place, or with KC > 0 packed by dot_chunk_pack in chunks of KC: the same products,
+// bit for bit (the blocks carry each output's accumulators from chunk to chunk).
 inline void bf16_dot_rows(const float* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, const float* bias,
-                          float* out, int64_t ldo) {
-  const int64_t Kp = (K + 31) / 32 * 32;
+                          float* out, int64_t ldo, int64_t KC = 0) {
+  const int64_t Kp = (K + 31) / 32 * 32;  // = K when chunked (K % 64 == 0)
   std::vector<uint16_t> xb(M * Kp);
   round_rows_bf16(x, M, K, Kp, xb.data());
-  for_each_weight_tile(N, std::max<int64_t>(1, (256 * 1024) / (2 * K)), [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
-      const int64_t R = std::min(kDotRows, M - m0);
-      kDotBlocks[R](xb.data() + m0 * Kp, Kp, w, K, bias, out + m0 * ldo, ldo, t0, t1, nullptr, nullptr);
-    }
-  });
-}
-
-// bf16_dot_rows over weights packed by dot_chunk_pack (chunk KC): the same products, bit for bit.
-inline void bf16_dot_chunked_rows(const float* x, int64_t M, const uint16_t* wc, int64_t K, int64_t KC, int64_t N,
-                                  const float* bias, float* out, int64_t ldo) {
-  std::vector<uint16_t> xb(M * K);
-  round_rows_bf16(x, M, K, K, xb.data());
-  const int64_t chunks = K / KC;
-  // More input rows than one block (a prefill) take L2-sized tiles that every block meets, as in place.
-  const int64_t tile = M <= kDotRows ? kDotChunkTileRows : std::max<int64_t>(1, (256 * 1024) / (2 * K));
+  const int64_t chunks = KC > 0 ? K / KC : 1, width = KC > 0 ? KC : K;  // a block's row length
+  const DotBlockFn* blocks = KC > 0 ? kDotChunkBlocks : kDotBlocks;
+  // Chunked rows, decoding or verifying (one block of input rows), take long tiles: each chunk of a
+  // tile is then one long sequential stream (kDotChunkTileRows).
+  const int64_t tile = KC > 0 && M <= kDotRows ? kDotChunkTileRows : std::max<int64_t>(1, (256 * 1024) / (2 * K));
   for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
-    // Kept per thread and grown only: with a fresh vector per tile the 1.5B target decoded no faster
-    // than with its rows in place (four pairs of processes, alternated), with this one 1.07x (the
-    // cause not traced; a freed 32 KB block is presumably handed back and faulted in again).
-    thread_local std::vector<float> acc;
-    acc.resize(std::max<size_t>(acc.size(), (t1 - t0) * std::min(M, kDotRows) * 32));
+    float* acc = nullptr;
+    if (chunks > 1) {
+      // Kept per thread and grown only: with a fresh vector per tile the 1.5B target decoded no faster
+      // than with its rows in place (four pairs of processes, alternated), with this one 1.07x (the
+      // cause not traced; a freed 32 KB block is presumably handed back and faulted in again).
+      thread_local std::vector<float> buffer;
+      buffer.resize(std::max<size_t>(buffer.size(), (t1 - t0) * std::min(M, kDotRows) * 32));
+      acc = buffer.data();
+    }
     for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
       const int64_t R = std::min(kDotRows, M - m0);
       for (int64_t c = 0; c < chunks; ++c)
-        kDotChunkBlocks[R](xb.data() + m0 * K + c * KC, K, wc + c * N * KC, KC, bias, out + m0 * ldo, ldo, t0, t1,
-                           c > 0 ? acc.data() : nullptr, c + 1 < chunks ? acc.data() : nullptr);
+        blocks[R](xb.data() + m0 * Kp + c * width, Kp, w + c * N * width, width, bias, out + m0 * ldo, ldo, t0, t1,
+                  c > 0 ? acc : nullptr, c + 1 < chunks ? acc : nullptr);
     }
   });
 }
@@ -1642,7 +1637,7 @@ inline void linear_any(const LinearWeights& lw, const float* x, int64_t M, float
       int8_vnni_rows(x, M, static_cast<const int8_t*>(lw.w), lw.scale, lw.N, lw.K, lw.bias, out, ldo);
       break;
     case Format::kBf16DotChunked:
-      bf16_dot_chunked_rows(x, M, static_cast<const uint16_t*>(lw.w), lw.K, lw.chunk, lw.N, lw.bias, out, ldo);
+      bf16_dot_rows(x, M, static_cast<const uint16_t*>(lw.w), lw.K, lw.N, lw.bias, out, ldo, lw.chunk);
       break;
   }
 }
