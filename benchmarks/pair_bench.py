@@ -624,7 +624,7 @@ def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) ->
 
 def _kernel_tuning() -> dict | None:
     """What this process's CPU kernels chose (prefetch, one-row block, bf16 dot products and their
-    chunked long rows), so a result says which blocks ran; None without the kernels."""
+    chunked long rows, work stealing), so a result says which blocks ran; None without the kernels."""
     from specd.services.engine import kernels
 
     tuning = kernels.kernel_tuning()
@@ -636,6 +636,7 @@ def _kernel_tuning() -> dict | None:
         "bf16_one_row_weight_rows": tuning.bf16_one_row_weight_rows,
         "bf16_dot": tuning.bf16_dot,
         "dot_chunk": tuning.dot_chunk,
+        "work_stealing": tuning.work_stealing,
     }
 
 

@@ -1,8 +1,9 @@
 """The kernels' per-CPU choices (``services/engine/kernels/linear.h``): the software prefetch of each
 kernel family, the weight rows a one-input-row bf16 block takes at a time, whether bf16 layers use
-AVX512-BF16 dot products and past which row length those are packed in chunks, fixed once per
-process for the CPU and overridden by ``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``,
-``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``, ``SPECD_BF16_DOT`` and ``SPECD_DOT_CHUNK`` for A/B runs. Their
+AVX512-BF16 dot products and past which row length those are packed in chunks, whether threads take
+tiles of each other's share of a layer, fixed once per process for the CPU and overridden by
+``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``, ``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``, ``SPECD_BF16_DOT``,
+``SPECD_DOT_CHUNK`` and ``SPECD_WORK_STEALING`` for A/B runs. Their
 speed is the benchmark's to show; here: each process reads the choices it was given, a malformed
 switch keeps the default, and no prefetch or row choice changes a result (the dot products do, by
 design: tests/engine/test_bf16_dot.py)."""
@@ -28,6 +29,7 @@ SWITCHES = (
     "SPECD_BF16_DOT",
     "SPECD_AVX512",
     "SPECD_DOT_CHUNK",
+    "SPECD_WORK_STEALING",
 )
 
 # In a fresh interpreter (the choices are fixed when the kernels load): the choices, and hashes of a
@@ -40,15 +42,18 @@ torch.manual_seed(0)
 w = torch.randn(4096, 1536).to(torch.bfloat16)
 x = torch.randn(3, 1536)
 q = torch.ops.specd_kernels.quantize_int4(w.float())
+q8, s8 = torch.ops.specd_kernels.quantize_int8(w.float())
 outs = {}
 for rows in (1, 3):
     y = torch.ops.specd_kernels.bf16_linear(x[:rows], w, None)
     z = torch.ops.specd_kernels.int4_linear(x[:rows], q, None)
+    e = torch.ops.specd_kernels.int8_linear(x[:rows], q8, s8, None)
     outs[f"bf16_{rows}"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
     outs[f"int4_{rows}"] = hashlib.sha256(z.numpy().tobytes()).hexdigest()
+    outs[f"int8_{rows}"] = hashlib.sha256(e.numpy().tobytes()).hexdigest()
 t = kernels.kernel_tuning()
 print(json.dumps({"tuning": [list(t.float_prefetch), list(t.quant_prefetch), t.bf16_one_row_weight_rows],
-                  "bf16_dot": t.bf16_dot, "dot_chunk": t.dot_chunk, **outs}))
+                  "bf16_dot": t.bf16_dot, "dot_chunk": t.dot_chunk, "work_stealing": t.work_stealing, **outs}))
 """
 
 
@@ -118,3 +123,19 @@ def test_switches_override_each_choice_and_never_change_a_result() -> None:
         assert {k: v for k, v in run.items() if k != "tuning"} == {k: v for k, v in default.items() if k != "tuning"}, (
             name
         )
+
+
+def test_work_stealing_is_the_default_and_never_changes_a_result() -> None:
+    """Threads take tiles from the back of each other's share of a layer unless
+    ``SPECD_WORK_STEALING=0``; which thread computes a weight row never changes its bits (bf16 with
+    and without the dot products, int4, int8; which tiles get stolen varies from call to call, so
+    tests/engine/test_work_stealing.py checks the hand-out itself)."""
+
+    def results(run: dict) -> dict:
+        return {f"{kind}_{rows}": run[f"{kind}_{rows}"] for kind in ("bf16", "int4", "int8") for rows in (1, 3)}
+
+    for dot in ("0", "1") if kernels._cpu_has("avx512_bf16") else ("0",):
+        on, off = _probe(SPECD_BF16_DOT=dot), _probe(SPECD_BF16_DOT=dot, SPECD_WORK_STEALING="0")
+        assert on["work_stealing"] is True and off["work_stealing"] is False
+        assert _probe(SPECD_BF16_DOT=dot, SPECD_WORK_STEALING="yes")["work_stealing"] is True
+        assert results(on) == results(off), dot

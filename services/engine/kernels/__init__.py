@@ -43,7 +43,8 @@ their low 16 bits at every layer's input (as a bf16 model's do in ``transformers
 ``kernel_tuning``: what this process's kernels chose for the CPU (``linear.h``): how far ahead each
 kernel family prefetches its weights and into which cache (``SPECD_PREFETCH``, ``SPECD_PREFETCH_QUANT``),
 how many weight rows a one-input-row bf16 block takes at a time (``SPECD_BF16_ONE_ROW_WEIGHT_ROWS``),
-and whether bf16 layers use the dot products (``SPECD_BF16_DOT``); the switches are for A/B runs.
+whether bf16 layers use the dot products (``SPECD_BF16_DOT``), and whether threads take tiles of each
+other's share of a layer (``SPECD_WORK_STEALING``); the switches are for A/B runs.
 
 ``advise_huge_pages``: transparent huge pages under what decoding streams (``huge_pages.h``). The
 fused decoder puts every weight it reads there itself (on the 2-core Xeon VM the 1.5B target
@@ -209,11 +210,12 @@ class KernelTuning(NamedTuple):
     bf16_dot: bool  # bf16 layers multiply with AVX512-BF16 dot products, inputs rounded to bf16 (SPECD_BF16_DOT)
     # With them, the fused decoder packs rows longer than this many weights in chunks (0: never; SPECD_DOT_CHUNK)
     dot_chunk: int
+    work_stealing: bool  # threads done with their share of a layer take tiles of another's (SPECD_WORK_STEALING)
 
 
 def kernel_tuning() -> KernelTuning | None:
     """The kernels' per-CPU choices in this process (fixed when they load); None without the kernels."""
     if not ensure_built():
         return None
-    fb, fl2, qb, ql2, rows, dot, chunk = torch.ops.specd_kernels.kernel_tuning()
-    return KernelTuning(Prefetch(fb, bool(fl2)), Prefetch(qb, bool(ql2)), rows, bool(dot), chunk)
+    fb, fl2, qb, ql2, rows, dot, chunk, stealing = torch.ops.specd_kernels.kernel_tuning()
+    return KernelTuning(Prefetch(fb, bool(fl2)), Prefetch(qb, bool(ql2)), rows, bool(dot), chunk, bool(stealing))

@@ -4,6 +4,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -267,12 +271,36 @@ bool advise_huge_pages(const at::Tensor& t) {
 
 // The choices this process made for its CPU (linear.h), so that tests can check the A/B switches: the
 // float and the quantized kernels' prefetch (bytes ahead, 1 if into L2 else 0), the weight rows a
-// one-input-row bf16 block takes at a time, 1 if bf16 layers take the dot products (use_bf16_dot), and
-// then the row length past which they are packed in chunks (dot_chunk_limit; 0 without them or never).
+// one-input-row bf16 block takes at a time, 1 if bf16 layers take the dot products (use_bf16_dot),
+// then the row length past which they are packed in chunks (dot_chunk_limit; 0 without them or never),
+// and 1 if threads take each other's weight tiles (use_work_stealing).
 std::vector<int64_t> kernel_tuning() {
   return {specd::kFloatPrefetch.bytes, specd::kFloatPrefetch.to_l2, specd::kQuantPrefetch.bytes,
           specd::kQuantPrefetch.to_l2, specd::kBf16OneRowWeightRows, specd::use_bf16_dot(),
-          specd::use_bf16_dot() ? specd::dot_chunk_limit() : 0};
+          specd::use_bf16_dot() ? specd::dot_chunk_limit() : 0, specd::use_work_stealing()};
+}
+
+// For the tests of for_each_weight_tile: the tiles it hands out over N rows, [tiles, 3] (first row, end,
+// the thread that ran it), in the order they finished. With hold_first_share, thread 0's first tile
+// waits (up to 2 s) until another thread has taken a tile from the back of thread 0's share, so that
+// stealing is seen whatever the machine's timing.
+at::Tensor weight_tiles(int64_t N, int64_t tile, bool hold_first_share) {
+  TORCH_CHECK(N >= 0 && tile >= 1, "N must be >= 0 and tile >= 1");
+  std::mutex mu;
+  std::vector<int64_t> seen;
+  std::atomic<bool> stolen{false}, held{false};
+  const int64_t first_share = (N + at::get_num_threads() - 1) / at::get_num_threads();
+  specd::for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
+    const int64_t thread = at::get_thread_num();
+    if (thread != 0 && t1 <= first_share) stolen = true;
+    if (hold_first_share && thread == 0 && !held.exchange(true)) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (!stolen && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    seen.insert(seen.end(), {t0, t1, thread});
+  });
+  return at::tensor(seen, at::kLong).reshape({-1, 3});
 }
 
 }  // namespace
@@ -291,6 +319,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("stream_read(Tensor buffer) -> int");
   m.def("advise_huge_pages(Tensor t) -> bool", &advise_huge_pages);
   m.def("kernel_tuning() -> int[]", &kernel_tuning);
+  m.def("weight_tiles(int N, int tile, bool hold_first_share) -> Tensor", &weight_tiles);
 }
 TORCH_LIBRARY_IMPL(specd_kernels, CPU, m) {
   m.impl("bf16_linear", bf16_linear);
