@@ -68,6 +68,14 @@ def test_a_thread_done_early_takes_tiles_from_the_back_of_the_other_share(two_th
     assert owned[0][0] == 0 and all(b <= min(a for a, _ in stolen) for _, b in owned)
 
 
+def test_a_share_of_one_tile_is_not_shared(two_threads: None) -> None:
+    """Below two tiles a share, nothing finer than the whole share could be taken: the plain split
+    (no thread start-up for a small layer's stealing)."""
+    tiles = _tiles(256, 128, True)
+    _assert_partition(tiles, 256)
+    assert sorted((a, thread) for a, _, thread in tiles) == [(0, 0), (128, 1)]
+
+
 def test_switched_off_each_thread_runs_only_its_own_share() -> None:
     code = (
         "import torch; from specd.services.engine import kernels; assert kernels.ensure_built();"

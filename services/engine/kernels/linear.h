@@ -405,13 +405,17 @@ inline bool use_work_stealing() {
 // done takes tiles from the back of another's share. Why: decoding one row, the two threads' halves
 // of a layer finished 11-13% of the layer's time apart (mean |difference|, both threads slower about
 // equally often: random, the memory's or the host's), and the early thread idled in the barrier.
-// Stealing, the 1.5B target alone decoded 1.02x and 1.06x faster (two in-process A/B runs of 24
-// alternated rounds, faster in 17 and 19). Which thread computes a row does not change its bits.
+// Stealing, the 1.5B target alone decoded 1.02x, 1.06x and 1.02x faster (in-process A/B runs of
+// 24, 24 and 30 alternated rounds, faster in 17, 19 and 22) and with `auto` 1.05x (20 rounds, 13);
+// the demo pair was level. Which thread computes a row does not change its bits.
 template <typename Fn>
 void for_each_weight_tile(int64_t N, int64_t tile, const Fn& fn) {
   const int threads = at::get_num_threads();
   constexpr int kMaxThreads = 256;
-  if (!use_work_stealing() || threads < 2 || threads > kMaxThreads || N >= (int64_t(1) << 31) ||
+  const int64_t per = (N + threads - 1) / threads;
+  // A share of one tile leaves nothing to take but the whole share, and a small layer's call is
+  // then dearer by its threads' start-up (at::parallel_for keeps up to 16 rows on the caller).
+  if (!use_work_stealing() || threads < 2 || threads > kMaxThreads || per < 2 * tile || N >= (int64_t(1) << 31) ||
       at::in_parallel_region()) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for (int64_t t0 = n0; t0 < n1; t0 += tile) fn(t0, std::min(n1, t0 + tile));
@@ -424,7 +428,6 @@ void for_each_weight_tile(int64_t N, int64_t tile, const Fn& fn) {
     std::atomic<uint64_t> rows;
   };
   std::vector<Share> shares(threads);
-  const int64_t per = (N + threads - 1) / threads;
   for (int t = 0; t < threads; ++t) {
     const uint64_t lo = std::min<int64_t>(N, t * per), hi = std::min<int64_t>(N, (t + 1) * per);
     shares[t].rows.store(lo << 32 | hi, std::memory_order_relaxed);
