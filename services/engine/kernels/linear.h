@@ -488,18 +488,15 @@ inline bool use_bf16_dot() {
 }
 
 constexpr int64_t kDotRows = 7;
-// One input row streams best with a non-temporal prefetch 512 bytes ahead, several rows with the 16 KB
-// prefetch into L2 (kFloatPrefetch). Long rows are the weak shape: one input row against six 27.5 MB
-// matrices on the Zen 4 VM in its fast minutes (2026-12-06, rounds alternated, this prefetch)
-// streamed 56-59 GB/s at widths 768-4480, 43 at 8960 (the down projection), 38 at 17920; an
-// 8960-wide bf16 input row and a weight row, 17.5 KB each, overfill the 32 KB L1, and a non-temporal
-// prefetch presumably keeps the weights, read once, from evicting the input row (the gain measured,
-// the mechanism not): 40 against 38 GB/s on the down projection's shape, 62 against 59 on the MLP's
-// first, and in one process, the 1.5B target decoding alone, rounds alternated, 1.05x median over 60
-// rounds (faster in 44, quartiles 1.00-1.08; medians 14.5 against 13.9 tok/s in the fast minutes,
-// 11.0 against 10.7 in the slow ones) against the 4 KB L2 prefetch the one-row block had. A prefetch
-// changes no arithmetic, so no bits.
-constexpr int64_t kDotOneRowNtaBytes = 512;
+// One input row streams best with a prefetch 2 KB ahead into L2, several rows with the 16 KB prefetch
+// into L2 (kFloatPrefetch). On the Zen 4 VM (2026-12-06) a non-temporal prefetch 512 bytes ahead had
+// beaten 4 KB into L2 for the whole 1.5B target (1.05x median over 60 alternated rounds in one
+// process), the down projection's 8960-wide rows being its weak shape: an input row and a weight row,
+// 17.5 KB each, overfill the 32 KB L1 (docs/benchmarks.md, nineteenth session). Those rows are now
+// packed in chunks (below), and for the rows left in place (at most 4480 wide) 2 KB into L2 beat the
+// non-temporal 512 bytes: 1.032x and 1.036x median (the 1.5B target alone, 40 greedy tokens a round,
+// in one process, 20 and 16 alternated rounds, faster in 15 and 13; 4 KB into L2 1.018x, 1 KB 1.032x
+// in the second run). A prefetch changes no arithmetic, so no bits.
 
 // Rows longer than this many weights (the down projection's 8960, say) are packed in chunks of at most
 // as many (a multiple of 64 that divides K, at least half the limit; else the rows stay whole), chunk by
@@ -513,9 +510,9 @@ constexpr int64_t kDotOneRowNtaBytes = 512;
 // unit's and VNNI's packs are: the per-op forward still reads the weights as they are.
 // SPECD_DOT_CHUNK = a number of weights (at least 64) sets the limit, 0 keeps every row whole.
 constexpr int64_t kDotChunkWeights = 4480;
-// A chunked layer's one-row block prefetches 2 KB ahead into L2: its measured best (60.1 GB/s above,
-// 56.0 with the in-place rows' non-temporal 512 bytes).
-constexpr PrefetchPolicy kDotChunkOneRowPrefetch{2048, true};
+// The one-row block's prefetch, chunked or not: for chunked rows its measured best (60.1 GB/s above,
+// 56.0 with a non-temporal prefetch 512 bytes ahead, 44.0 with 8 KB into L2).
+constexpr PrefetchPolicy kDotOneRowPrefetch{2048, true};
 // Weight rows per tile while decoding or verifying (one block of input rows): each chunk of a tile is
 // one sequential stream of 256 * KC weights (2.2 MB at KC = 4480), and its accumulators (128 bytes per
 // weight row and input row) stay in L2.
@@ -574,12 +571,9 @@ SPECD_BF16_DOT void bf16_dot_block(const uint16_t* xb, int64_t Kp, const uint16_
     }
     int64_t k = 0;
     for (; k + 64 <= K32; k += 64) {
-      if constexpr (R == 1 && Chunked) {
-        prefetch_ahead(wr + k, kDotChunkOneRowPrefetch);
-        prefetch_ahead(wr + k + 32, kDotChunkOneRowPrefetch);
-      } else if constexpr (R == 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kDotOneRowNtaBytes, _MM_HINT_NTA);
-        _mm_prefetch(reinterpret_cast<const char*>(wr + k + 32) + kDotOneRowNtaBytes, _MM_HINT_NTA);
+      if constexpr (R == 1) {
+        prefetch_ahead(wr + k, kDotOneRowPrefetch);
+        prefetch_ahead(wr + k + 32, kDotOneRowPrefetch);
       } else {
         prefetch_ahead(wr + k, kFloatPrefetch);
         prefetch_ahead(wr + k + 32, kFloatPrefetch);
