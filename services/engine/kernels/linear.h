@@ -493,10 +493,10 @@ constexpr int64_t kDotRows = 7;
 // beaten 4 KB into L2 for the whole 1.5B target (1.05x median over 60 alternated rounds in one
 // process), the down projection's 8960-wide rows being its weak shape: an input row and a weight row,
 // 17.5 KB each, overfill the 32 KB L1 (docs/benchmarks.md, nineteenth session). Those rows are now
-// packed in chunks (below), and for the rows left in place (at most 4480 wide) 2 KB into L2 beat the
-// non-temporal 512 bytes: 1.032x and 1.036x median (the 1.5B target alone, 40 greedy tokens a round,
-// in one process, 20 and 16 alternated rounds, faster in 15 and 13; 4 KB into L2 1.018x, 1 KB 1.032x
-// in the second run). A prefetch changes no arithmetic, so no bits.
+// packed in chunks (below), and for the rows left in place (1536 wide on the real pair) 2 KB into
+// L2 beat the non-temporal 512 bytes: 1.032x and 1.036x median (the 1.5B target alone, 40 greedy
+// tokens a round, in one process, 20 and 16 alternated rounds, faster in 15 and 13; 4 KB into L2
+// 1.018x, 1 KB 1.032x in the second run). A prefetch changes no arithmetic, so no bits.
 
 // Rows longer than this many weights (the down projection's 8960, say) are packed in chunks of at most
 // as many (a multiple of 64 that divides K, at least half the limit; else the rows stay whole), chunk by
