@@ -135,14 +135,13 @@ LinearWeights linear_of(const at::Tensor& w, const at::Tensor& scale, const at::
     TORCH_CHECK(lw.K > 0, "int4 records of ", w.size(1), " bytes do not hold a whole number of 32-weight groups");
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear weights must be bf16, int8 or int4");
-    const int64_t chunk = specd::use_bf16_dot() ? specd::dot_chunk_of(lw.K) : 0;
     if (specd::use_amx() && specd::amx_shape_ok(lw.N, lw.K)) {
       packed.push_back(huge_page_empty(w.sizes(), w.options()));
       specd::amx_pack_bf16(static_cast<const uint16_t*>(w.data_ptr()), lw.N, lw.K,
                            static_cast<uint16_t*>(packed.back().data_ptr()));
       lw.format = Format::kBf16Amx;
       lw.w = packed.back().data_ptr();
-    } else if (chunk > 0) {
+    } else if (const int64_t chunk = specd::use_bf16_dot() ? specd::dot_chunk_of(lw.K) : 0; chunk > 0) {
       lw.chunk = chunk;
       packed.push_back(huge_page_empty(w.sizes(), w.options()));
       specd::dot_chunk_pack(static_cast<const uint16_t*>(w.data_ptr()), lw.N, lw.K, lw.chunk,

@@ -618,12 +618,11 @@ SPECD_BF16_DOT void bf16_dot_block(const uint16_t* xb, int64_t Kp, const uint16_
 
 using DotBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, float*, int64_t, int64_t,
                             int64_t, const float*, float*);
-constexpr DotBlockFn kDotBlocks[kDotRows + 1] = {nullptr,           bf16_dot_block<1>, bf16_dot_block<2>,
-                                                 bf16_dot_block<3>, bf16_dot_block<4>, bf16_dot_block<5>,
-                                                 bf16_dot_block<6>, bf16_dot_block<7>};
-constexpr DotBlockFn kDotChunkBlocks[kDotRows + 1] = {
-    nullptr,                    bf16_dot_block<1, true>, bf16_dot_block<2, true>, bf16_dot_block<3, true>,
-    bf16_dot_block<4, true>, bf16_dot_block<5, true>, bf16_dot_block<6, true>, bf16_dot_block<7, true>};
+// The blocks by input rows (1..kDotRows), for rows in place or packed in chunks.
+template <bool Chunked>
+constexpr DotBlockFn kDotBlocks[kDotRows + 1] = {
+    nullptr,                    bf16_dot_block<1, Chunked>, bf16_dot_block<2, Chunked>, bf16_dot_block<3, Chunked>,
+    bf16_dot_block<4, Chunked>, bf16_dot_block<5, Chunked>, bf16_dot_block<6, Chunked>, bf16_dot_block<7, Chunked>};
 
 // x [M, K] fp32 -> [M, Kp] bf16, rounded to nearest even, zeros past K.
 SPECD_BF16_DOT inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* xb) {
@@ -649,7 +648,7 @@ inline void bf16_dot_rows(const float* x, int64_t M, const uint16_t* w, int64_t 
   std::vector<uint16_t> xb(M * Kp);
   round_rows_bf16(x, M, K, Kp, xb.data());
   const int64_t chunks = KC > 0 ? K / KC : 1, width = KC > 0 ? KC : K;  // a block's row length
-  const DotBlockFn* blocks = KC > 0 ? kDotChunkBlocks : kDotBlocks;
+  const DotBlockFn* blocks = KC > 0 ? kDotBlocks<true> : kDotBlocks<false>;
   // Chunked rows, decoding or verifying (one block of input rows), take long tiles: each chunk of a
   // tile is then one long sequential stream (kDotChunkTileRows).
   const int64_t tile = KC > 0 && M <= kDotRows ? kDotChunkTileRows : std::max<int64_t>(1, (256 * 1024) / (2 * K));

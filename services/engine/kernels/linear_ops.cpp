@@ -289,7 +289,7 @@ at::Tensor weight_tiles(int64_t N, int64_t tile, bool hold_first_share) {
   std::mutex mu;
   std::vector<int64_t> seen;
   std::atomic<bool> stolen{false}, held{false};
-  const int64_t first_share = (N + at::get_num_threads() - 1) / at::get_num_threads();
+  const int64_t threads = at::get_num_threads(), first_share = (N + threads - 1) / threads;
   specd::for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
     const int64_t thread = at::get_thread_num();
     if (thread != 0 && t1 <= first_share) stolen = true;
