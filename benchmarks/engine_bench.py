@@ -55,6 +55,7 @@ from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConf
 from specd.services.engine.model import BatchLayout
 from specd.services.engine.sampling import SamplingParams
 from specd.services.engine.stats import SpecStats
+from specd.services.engine.weight_pages import wait_for_engines
 
 # The benchmarks that compare modes run the same prompts in every mode, one mode after another: with
 # the prefix cache on, the first mode to meet a prompt would prefill it and the rest would not. So
@@ -235,6 +236,7 @@ def run_engine_bench(cfg: BenchConfig) -> dict:
         ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype, draft_dtype=cfg.dtype),
         EngineConfig(max_batch_size=2, max_model_len=1024, prefix_caching=COMPARE_PREFIX_CACHING),
     )
+    wait_for_engines([engine])  # timed with the weights settled in huge pages (weight_pages.py)
     prompt_sets = _prompts(engine, cfg.quick)
     hf_targets, hf_draft = [], None
     if cfg.include_hf:

@@ -44,6 +44,7 @@ from specd.services.engine.chat import encode_chat, encode_text
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.sampling import SamplingParams
 from specd.services.engine.stats import SpecStats
+from specd.services.engine.weight_pages import wait_for_engines
 
 PROSE_QUESTIONS = [
     "Explain in plain English how a hash table works.",
@@ -294,6 +295,12 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
     for tq, nbytes in quantized_bytes.items():
         bound[f"specd_{tq}_bytes_per_token"] = nbytes
     _derive_bounds(bound)
+    # Timed as the services run once settled: with the weights they stream in huge pages
+    # (services/engine/weight_pages.py moves them in the background after a load).
+    t0 = time.perf_counter()
+    moved = wait_for_engines([engine, *(q.engine for q in quantized)])
+    print(f"weights moved into huge pages: {moved / 2**20:.0f} MB, waited {time.perf_counter() - t0:.1f} s", flush=True)
+    bound["weights_moved_to_huge_pages_bytes"] = moved
     warm = prompt_sets["code"][0]
     for method in ("none", "draft", "ngram"):
         for t in cfg.temperatures:

@@ -52,6 +52,7 @@ from specd.services.engine.controller import (
     solo_choice,
 )
 from specd.services.engine.engine import Engine, EngineConfig, Request, SpecConfig
+from specd.services.engine.weight_pages import wait_for_engines
 
 CONTROL = "again"  # the A/A control's suffix
 
@@ -192,6 +193,7 @@ def run_paired_bench(cfg: PairedBenchConfig) -> dict:
         ModelSpec(target=cfg.target, draft=cfg.draft, target_dtype=cfg.dtype, draft_dtype=cfg.dtype),
         EngineConfig(max_batch_size=2, max_model_len=1024, prefix_caching=COMPARE_PREFIX_CACHING),
     )
+    wait_for_engines([engine])  # timed with the weights settled in huge pages (weight_pages.py)
     prompts = _prompts(engine, False)[cfg.workload]
     modes = _modes(cfg)
     # Each ablation keeps statistics of its own (the engine's controller learns only from auto's

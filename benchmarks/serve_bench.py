@@ -413,12 +413,14 @@ class _InProcess:
     def __init__(self, cfg: ServeBenchConfig, prompts: list[str]) -> None:
         from specd.services.engine.builder import ModelSpec, build_engine
         from specd.services.engine.chat import encode_text
+        from specd.services.engine.weight_pages import wait_for_engines
 
         self.cfg = cfg
         self.engine = build_engine(
             ModelSpec(cfg.target, cfg.draft, cfg.dtype, cfg.dtype),
             EngineConfig(max_batch_size=1, prefix_caching=COMPARE_PREFIX_CACHING),
         )
+        wait_for_engines([self.engine])  # timed with the weights settled in huge pages (weight_pages.py)
         self.ids = [tuple(encode_text(self.engine.tokenizer, p)) for p in prompts]
         self.tokens: dict[tuple[str, Mode], int] = {}
         self.seconds: dict[tuple[str, Mode], float] = {}

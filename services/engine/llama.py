@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from specd.services.engine.kv_cache import KVCache, PagedKVCache, kv_bytes
 from specd.services.engine.model import BatchLayout, ModelInfo, eos_ids_of
+from specd.services.engine.weight_pages import start_move
 
 if TYPE_CHECKING:
     from specd.services.engine.quantized_store import QuantizedStore
@@ -434,6 +436,11 @@ class LlamaLM:
         if quantized_store is not None:
             quantized_store.save()
         self.fused = self._fused_decoder(inv_freq, attention_scaling) if fusable else None
+        # What the fused decoder streams from the checkpoint's memory map, moved into huge pages in
+        # the background (weight_pages.py: why not at load).
+        self.huge_page_move = start_move(self.fused.in_place_weights()) if self.fused is not None else None
+        if self.huge_page_move is not None:
+            weakref.finalize(self, self.huge_page_move.cancel)  # a model dropped mid-move ends it
         self.forward_path = "fused" if self.fused is not None else "per-op"
         pos = torch.arange(shape.max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]

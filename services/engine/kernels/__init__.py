@@ -194,6 +194,17 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return bool(torch.ops.specd_kernels.advise_huge_pages(t))
 
 
+def move_to_huge_pages(t: torch.Tensor, offset: int, length: int) -> int:
+    """Move the 2 MB pages that bytes ``[offset, offset + length)`` of ``t``'s data touch into huge
+    pages where a private file mapping holds them (a checkpoint's memory map): copied into fresh 2 MB
+    pages that then take the old pages' place at the same addresses (``huge_pages.h``). The bytes
+    moved; 0 where nothing could be (no kernels, not a file mapping, already moved, THP off,
+    ``SPECD_HUGE_PAGES=0``). ``weight_pages.py`` runs it in the background."""
+    if t.device.type != "cpu" or not ensure_built():
+        return 0
+    return int(torch.ops.specd_kernels.move_to_huge_pages(t, offset, length))
+
+
 class Prefetch(NamedTuple):
     """A kernel family's software prefetch: how far ahead of its loads, and into which cache."""
 

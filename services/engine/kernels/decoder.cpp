@@ -183,6 +183,7 @@ class FusedDecoder : public torch::CustomClassHolder {
         const at::Tensor& sc = next();
         const at::Tensor& b = next();
         set.parts.push_back(linear_of(w, sc, b, packed_));
+        if (set.parts.back().w == w.data_ptr()) in_place_.push_back(w);
         set.N += set.parts.back().N;
         TORCH_CHECK(K_expected < 0 || set.parts.back().K == K_expected, "a linear part has ", set.parts.back().K,
                     " input features, expected ", K_expected);
@@ -577,8 +578,13 @@ class FusedDecoder : public torch::CustomClassHolder {
     return out;
   }
 
+  // The weights streamed where they are (not a packed copy): the ones a checkpoint's memory map may
+  // hold in 4 KB pages (weight_pages.py moves them into huge pages).
+  std::vector<at::Tensor> in_place_weights() const { return in_place_; }
+
  private:
   std::vector<at::Tensor> keep_;
+  std::vector<at::Tensor> in_place_;
   std::vector<at::Tensor> packed_;  // weights packed for AMX, VNNI or chunked dot products (linear_of)
   at::Tensor embed_, final_norm_, inv_freq_;
   LinearSet head_;
@@ -593,5 +599,6 @@ TORCH_LIBRARY_FRAGMENT(specd_kernels, m) {
   m.class_<FusedDecoder>("FusedDecoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, double, double>())
       .def("forward", &FusedDecoder::forward)
-      .def("formats", &FusedDecoder::formats);
+      .def("formats", &FusedDecoder::formats)
+      .def("in_place_weights", &FusedDecoder::in_place_weights);
 }

@@ -269,6 +269,16 @@ bool advise_huge_pages(const at::Tensor& t) {
   return specd::advise_huge_pages(t.data_ptr(), t.nbytes());
 }
 
+// Bytes [offset, offset + length) of a CPU tensor's data into huge pages where it is read from a private
+// file mapping (huge_pages.h, move_to_huge_pages); returns the bytes moved. A piece at a time, so the
+// caller can stop between pieces (weight_pages.py).
+int64_t move_to_huge_pages(const at::Tensor& t, int64_t offset, int64_t length) {
+  TORCH_CHECK(t.device().is_cpu(), "huge pages are for CPU memory");
+  TORCH_CHECK(offset >= 0 && length >= 0 && offset + length <= static_cast<int64_t>(t.nbytes()),
+              "the range must lie inside the tensor's data");
+  return static_cast<int64_t>(specd::move_to_huge_pages(static_cast<char*>(t.data_ptr()) + offset, length));
+}
+
 // The choices this process made for its CPU (linear.h), so that tests can check the A/B switches: the
 // float and the quantized kernels' prefetch (bytes ahead, 1 if into L2 else 0), the weight rows a
 // one-input-row bf16 block takes at a time, 1 if bf16 layers take the dot products (use_bf16_dot),
@@ -318,6 +328,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
   m.def("stream_read(Tensor buffer) -> int");
   m.def("advise_huge_pages(Tensor t) -> bool", &advise_huge_pages);
+  m.def("move_to_huge_pages(Tensor t, int offset, int length) -> int", &move_to_huge_pages);
   m.def("kernel_tuning() -> int[]", &kernel_tuning);
   m.def("weight_tiles(int N, int tile, bool hold_first_share) -> Tensor", &weight_tiles);
 }
