@@ -18,8 +18,10 @@ short ``specd generate`` never wins that back, so it keeps 4 KB pages unless giv
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -60,6 +62,10 @@ class HugePageMove:
         self._done = threading.Event()
         self.bytes_moved = 0
         self._thread = threading.Thread(target=self._run, name="specd-huge-pages", daemon=True)
+        # A daemon thread still inside the kernels when the interpreter exits is unwound through C++
+        # frames that may not be, and the process aborts ("terminate called without an active
+        # exception"): so exiting stops the move first (at most one piece's wait).
+        atexit.register(_stop_at_exit, weakref.ref(self))
         self._thread.start()
 
     def _run(self) -> None:
@@ -95,6 +101,12 @@ class HugePageMove:
         """Stop after the piece being moved, and wait for that."""
         self.cancel()
         self._thread.join()
+
+
+def _stop_at_exit(move: weakref.ref[HugePageMove]) -> None:
+    m = move()
+    if m is not None:
+        m.stop()
 
 
 def start_move(tensors: Sequence[torch.Tensor]) -> HugePageMove | None:

@@ -205,3 +205,34 @@ def test_loading_a_checkpoint_starts_the_move_unless_huge_pages_are_off(
     assert model.huge_page_move.wait(120) and model.huge_page_move.bytes_moved > 0
     monkeypatch.setenv("SPECD_HUGE_PAGES", "0")
     assert load_model(str(path), torch.bfloat16).huge_page_move is None
+
+
+# Starts moving a 256 MB file mapping (8 pieces) and exits once the first piece is done, so while the
+# move is most likely inside the kernels: a daemon thread caught there at exit aborts the process.
+EXIT_SCRIPT = """
+import mmap, sys, time
+import torch
+from specd.services.engine import kernels
+from specd.services.engine.weight_pages import HugePageMove
+assert kernels.ensure_built()
+with open(sys.argv[1], "rb") as f:
+    region = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+move = HugePageMove([torch.frombuffer(region, dtype=torch.uint8)])
+while move.bytes_moved == 0 and not move.done:
+    time.sleep(0.001)
+print("started", move.done)
+"""
+
+
+def test_a_process_that_exits_mid_move_exits_cleanly(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        f.write(os.urandom(256 << 20))
+    mid_move = False
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT, str(path)], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0 and "started" in out.stdout, out.stderr[-2000:]
+        mid_move = mid_move or "False" in out.stdout
+    assert mid_move, "every move was done before the process exited: the test saw nothing"
