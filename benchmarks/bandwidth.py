@@ -34,24 +34,33 @@ def _stream_read() -> Callable[[torch.Tensor], int] | None:
     return torch.ops.specd_kernels.stream_read if kernels.ensure_built() else None
 
 
-def measure_read_bandwidth(buffer_gb: float = 2.0, reps: int = 12) -> Bandwidth:
-    """Stream a float32 buffer of ``buffer_gb`` GB on torch's threads (the same threads the engine
-    decodes with), ``reps`` times, through ``sum`` and through the linear kernels' own prefetching read
-    (``specd_kernels::stream_read``, where the kernels are built); a read-only reduction is bound by
-    memory, not arithmetic. Each repetition counts the faster of the two, so the bound is the most a
-    plain read reached, not what one particular loop does."""
-    n = int(buffer_gb * 1e9 / 4)
-    x = torch.empty(n, dtype=torch.float32)
+def read_buffer(buffer_gb: float) -> torch.Tensor:
+    """A float32 buffer of ``buffer_gb`` GB for :func:`measure_read_bandwidth`, every page faulted in:
+    one buffer serves many readings (on a VM that hands free memory back to its host, faulting 1 GB
+    of huge pages in takes seconds)."""
+    x = torch.empty(int(buffer_gb * 1e9 / 4), dtype=torch.float32)
     # In huge pages where the kernels can have them, as the decoder's weights are: the bound is the
     # most a plain read reaches, and in 4 KB pages it reached 22 GB/s here against 26-30 in 2 MB ones.
     kernels.advise_huge_pages(x)
     x.fill_(1.0)
+    return x
+
+
+def measure_read_bandwidth(buffer_gb: float = 2.0, reps: int = 12, buffer: torch.Tensor | None = None) -> Bandwidth:
+    """Stream a float32 buffer of ``buffer_gb`` GB (or ``buffer``, from :func:`read_buffer`) on torch's
+    threads (the same threads the engine decodes with), ``reps`` times, through ``sum`` and through the
+    linear kernels' own prefetching read (``specd_kernels::stream_read``, where the kernels are
+    built); a read-only reduction is bound by memory, not arithmetic. Each repetition counts the
+    faster of the two, so the bound is the most a plain read reached, not what one particular loop
+    does."""
+    x = buffer if buffer is not None else read_buffer(buffer_gb)
+    n = x.numel()
     readers: list[Callable[[torch.Tensor], object]] = [torch.sum]
     stream = _stream_read()
     if stream is not None:
         readers.append(stream)
     for read in readers:
-        read(x)  # fault every page in before timing
+        read(x)  # every page and reader warm before timing
     rates = []
     for _ in range(reps):
         best = 0.0

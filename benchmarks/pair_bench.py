@@ -36,7 +36,12 @@ from pathlib import Path
 import torch
 
 from specd.benchmarks import engine_bench
-from specd.benchmarks.bandwidth import gguf_bytes_per_token, measure_read_bandwidth, safetensors_bytes_per_token
+from specd.benchmarks.bandwidth import (
+    gguf_bytes_per_token,
+    measure_read_bandwidth,
+    read_buffer,
+    safetensors_bytes_per_token,
+)
 from specd.benchmarks.engine_bench import CODE_PROMPTS, COMPARE_PREFIX_CACHING, alpha_hat
 from specd.services.common.constants import AUTO_NUM_TOKENS, DEFAULT_DTYPE, FIXED_NUM_TOKENS
 from specd.services.engine.builder import DTYPES, ModelSpec, build_engine
@@ -327,6 +332,7 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
     # groups run one pass (this machine needs ~10 min per group).
     groups = [(c, t) for c in prompt_sets for t in cfg.temperatures]
     groups.sort(key=lambda g: g != ("code", 0.0))
+    read_buf = read_buffer(1.0)  # the readings around target-only passes and rounds
     out = Path(cfg.out_dir)
     for category, t in groups:
         prompts = prompt_sets[category]
@@ -336,7 +342,8 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
             for mode, method, k in specd_modes:
                 run = get("specd", mode, category, t, k)
                 if goal and method == "none":
-                    _paired_target_only(engine, prompts, cfg, run, bound)
+                    _paired_target_only(engine, prompts, cfg, run, bound, read_buf)
+                    _bound_rounds(engine, prompts[0], bound, read_buf)
                 else:
                     run_specd(engine, prompts, method, k, cfg, run)
             for qm in quantized if goal else ():
@@ -372,24 +379,26 @@ def run_pair_bench(cfg: PairBenchConfig) -> dict:
             llama.configs = _keep_best_llama_draft(llama.configs, runs)
         # Partial results after every group, so an interrupted run still leaves what it measured.
         _write(cfg, runs, bound, llama.note, out)
-    del hf, hf_draft, quantized
+    del hf, hf_draft, quantized, read_buf
     gc.collect()
     doc = _write(cfg, runs, bound, llama.note, out)
     print(json.dumps(doc["goals"], indent=2))
     return doc
 
 
-def _paired_target_only(engine: Engine, prompts, cfg: PairBenchConfig, run: Run, bound: dict) -> None:
+def _paired_target_only(
+    engine: Engine, prompts, cfg: PairBenchConfig, run: Run, bound: dict, buffer: torch.Tensor
+) -> None:
     """One pass of bf16 target-only decoding with the read bandwidth measured just before and just
     after it: this machine's bandwidth swings between passes (32-70 GB/s within minutes on the VMs it
     ran on), so the share of the bound is judged pass by pass against the bandwidth of the same moment,
     the higher of the two readings (a pass that straddles a swing is judged against its faster side),
     beside the strict figure against the run's best."""
-    before = measure_read_bandwidth(buffer_gb=1.0, reps=3)
+    before = measure_read_bandwidth(reps=3, buffer=buffer)
     tokens, seconds = run.decode_tokens, run.decode_seconds
     run_specd(engine, prompts, "none", 0, cfg, run)
     rate = (run.decode_tokens - tokens) / (run.decode_seconds - seconds)
-    after = measure_read_bandwidth(buffer_gb=1.0, reps=3)
+    after = measure_read_bandwidth(reps=3, buffer=buffer)
     bandwidth = max(before.best_gb_s, after.best_gb_s)
     _raise_bound(bound, bandwidth)
     bytes_per_token = bound["specd_bf16_bytes_per_token"]
@@ -403,6 +412,76 @@ def _paired_target_only(engine: Engine, prompts, cfg: PairBenchConfig, run: Run,
             "share_of_bound": round(rate * bytes_per_token / (bandwidth * 1e9), 3),
         }
     )
+
+
+# A round whose two readings (before and after it) differ by more than this share straddled a swing of
+# the machine's bandwidth, and no reading says what it ran at.
+STEADY_READ_SPREAD = 0.10
+# Tokens a bound round decodes: short enough that most rounds fall between two swings of a VM whose
+# read doubles and halves within seconds, long enough to time (2-3 s on the real pair's target).
+BOUND_ROUND_TOKENS = 32
+BOUND_ROUNDS_PER_PASS = 4
+# Steady rounds whose reading is within this share of the run's best count as its fast minutes.
+FAST_READ_SHARE = 0.85
+
+
+def bound_round(before_gb_s: float, after_gb_s: float, tokens_per_second: float, bytes_per_token: int) -> dict:
+    """One bound round: its share of the bound against the faster of the readings around it, and
+    whether those agree (``STEADY_READ_SPREAD``), i.e. whether the round ran at that bandwidth."""
+    bandwidth = max(before_gb_s, after_gb_s)
+    return {
+        "bandwidth_before_gb_s": before_gb_s,
+        "bandwidth_after_gb_s": after_gb_s,
+        "decode_tokens_per_second": round(tokens_per_second, 2),
+        "share_of_bound": round(tokens_per_second * bytes_per_token / (bandwidth * 1e9), 3),
+        "steady": abs(before_gb_s - after_gb_s) <= STEADY_READ_SPREAD * bandwidth,
+    }
+
+
+def summarize_bound_rounds(rounds: list[dict], best_gb_s: float) -> dict:
+    """The steady rounds' shares of the bound (median, range), all of them and those in the run's
+    fast minutes (read within ``FAST_READ_SHARE`` of ``best_gb_s``, the run's best reading)."""
+
+    def stats(shares: list[float]) -> dict:
+        shares = sorted(shares)
+        if not shares:
+            return {"rounds": 0, "median": None, "min": None, "max": None}
+        n = len(shares)
+        median = shares[n // 2] if n % 2 else (shares[n // 2 - 1] + shares[n // 2]) / 2
+        return {"rounds": n, "median": round(median, 3), "min": shares[0], "max": shares[-1]}
+
+    steady = [r for r in rounds if r["steady"]]
+    fast_read = FAST_READ_SHARE * best_gb_s
+    fast = [r for r in steady if max(r["bandwidth_before_gb_s"], r["bandwidth_after_gb_s"]) >= fast_read]
+    return {
+        "rounds": len(rounds),
+        "steady": stats([r["share_of_bound"] for r in steady]),
+        "steady_fast": stats([r["share_of_bound"] for r in fast]),
+    }
+
+
+def _bound_rounds(engine: Engine, ids, bound: dict, buffer: torch.Tensor) -> None:
+    """``BOUND_ROUNDS_PER_PASS`` short target-only rounds (``BOUND_ROUND_TOKENS`` greedy tokens of one
+    prompt), each between two readings of the bandwidth: a whole pass often straddles a swing of a VM
+    whose read doubles and halves within seconds (a pass then reads 0.5 or 1.5 of the bound), a short
+    round between two agreeing readings ran at that bandwidth."""
+    read = lambda: measure_read_bandwidth(reps=3, buffer=buffer).best_gb_s  # noqa: E731
+    before = read()
+    for _ in range(BOUND_ROUNDS_PER_PASS):
+        req = Request(f"bound-{time.monotonic_ns()}", ids, _params(0.0, BOUND_ROUND_TOKENS, 0), SpecConfig("none", 0))
+        engine.add_request(req)
+        first_at, first_n, n = None, 0, 0
+        for out in engine.stream():
+            if out.token_ids and first_at is None:
+                first_at, first_n = time.perf_counter(), len(out.token_ids)
+            n += len(out.token_ids)
+        rate = (n - first_n) / (time.perf_counter() - first_at) if first_at is not None else 0.0
+        after = read()
+        _raise_bound(bound, max(before, after))
+        bound.setdefault("target_only_rounds", []).append(
+            bound_round(before, after, rate, bound["specd_bf16_bytes_per_token"])
+        )
+        before = after
 
 
 def _raise_bound(bound: dict, gb_s: float) -> None:
@@ -590,6 +669,10 @@ def _document(cfg: PairBenchConfig, runs: dict, bound: dict, llama_note: str) ->
         "target_only_share_of_bound": ratio(decode, bound["specd_bf16_bound_tokens_per_second"]),
         # each pass against the bandwidth measured around it (see _paired_target_only)
         "target_only_share_of_bound_per_pass": [p["share_of_bound"] for p in bound.get("target_only_passes", [])],
+        # short rounds between two readings, those that agree (see _bound_rounds)
+        "target_only_share_of_bound_steady_rounds": summarize_bound_rounds(
+            bound.get("target_only_rounds", []), bound["bandwidth_gb_s"]
+        ),
         "best_specd_mode": best_mode,
         "best_specd": tps("specd", best_mode) if best_mode else None,
         "llama_cpp_f16_with_draft": llama_f16_draft,
