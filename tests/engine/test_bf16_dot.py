@@ -69,6 +69,25 @@ for n, k, c in [(75, 8960, 4480), (40, 4864, 2432), (300, 192, 64), (600, 256, 6
 print("ok")
 """
 
+# Several weights against one input in one pass of the threads (bf16_dot_parts, as the fused decoder
+# runs q, k and v, gate and up): the bits of each weight's own product, biases or not, at every block
+# of input rows, with parts that end inside a tile and tiles that hold several parts.
+PARTS = """
+import torch
+from specd.services.engine import kernels
+op = kernels.bf16_linear()
+parts = torch.ops.specd_kernels.bf16_dot_parts_linear
+g = torch.Generator().manual_seed(0)
+for k, ns in [(1536, [1536, 256, 256]), (1536, [8960, 8960]), (136, [203, 7, 300]), (40, [5]), (64, [1, 1, 1, 1])]:
+    ws = [torch.randn(n, k, generator=g).bfloat16() for n in ns]
+    bs = [torch.randn(n, generator=g) if i % 2 == 0 else torch.empty(0) for i, n in enumerate(ns)]
+    x = torch.randn(9, k, generator=g)
+    for m in (1, 2, 5, 7, 8, 9):
+        whole = torch.cat([op(x[:m], w, b if b.numel() else None) for w, b in zip(ws, bs)], dim=-1)
+        assert torch.equal(parts(x[:m], ws, bs), whole), (k, ns, m)
+print("ok")
+"""
+
 # A tiny model whose every linear layer has rows longer than SPECD_DOT_CHUNK=64 (hidden 128, MLP 192):
 # prefill two rows, then one pass of five tokens over both; its formats and logits to a file.
 FUSED = """
@@ -120,6 +139,13 @@ def test_rows_packed_in_chunks_give_the_rows_in_place_bits() -> None:
     """Long rows packed chunk by chunk (``dot_chunk_pack``) give, bit for bit, the products of the rows
     in place, at every block of input rows and through the prefill's tiles."""
     out = _fresh("1", "-c", CHUNKED)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_parts_in_one_pass_give_each_part_s_own_bits() -> None:
+    """The fused decoder's q, k and v (gate and up) in one pass of the threads give each weight's own
+    products bit for bit, so the batch invariance and speculation identity shown part by part hold."""
+    out = _fresh("1", "-c", PARTS)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

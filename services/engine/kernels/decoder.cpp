@@ -87,14 +87,25 @@ inline float sum_squares(const float* x, int64_t n) {
 struct LinearSet {
   std::vector<LinearWeights> parts;
   int64_t N = 0, K = 0;
-  // y[M, N] (row stride ldo) = x[M, K] W^T + b, part by part.
+  // y[M, N] (row stride ldo) = x[M, K] W^T + b: parts that are all bf16 dot products in place in one
+  // pass of the threads (bf16_dot_parts), any others part by part.
   void apply(const float* x, int64_t M, float* out, int64_t ldo) const {
+    if (parts.size() > 1 && parts.size() <= kMaxDotParts && specd::use_bf16_dot() &&
+        std::all_of(parts.begin(), parts.end(), [](const LinearWeights& p) { return p.format == Format::kBf16; })) {
+      specd::DotPart dot[kMaxDotParts];
+      int64_t offset = 0;
+      for (size_t i = 0; i < parts.size(); offset += parts[i].N, ++i)
+        dot[i] = {static_cast<const uint16_t*>(parts[i].w), parts[i].N, parts[i].bias, out + offset};
+      specd::bf16_dot_parts(x, M, K, dot, static_cast<int>(parts.size()), ldo);
+      return;
+    }
     int64_t offset = 0;
     for (const LinearWeights& p : parts) {
       specd::linear_any(p, x, M, out + offset, ldo);
       offset += p.N;
     }
   }
+  static constexpr size_t kMaxDotParts = 4;
 };
 
 struct Layer {

@@ -671,6 +671,38 @@ inline void bf16_dot_rows(const float* x, int64_t M, const uint16_t* w, int64_t 
   });
 }
 
+// One of several bf16 weight matrices in place that read the same input (q, k and v; gate and up),
+// and where its outputs go.
+struct DotPart {
+  const uint16_t* w;  // [N, K]
+  int64_t N;
+  const float* bias;  // [N] or null
+  float* out;         // its first output column (row stride ldo)
+};
+
+// bf16_dot_rows over several parts at once: their rows are one range that the threads split and take
+// tiles of (for_each_weight_tile), so a layer stored as three matrices costs the threads one start and
+// one wait instead of three. Each output row is the same block over the same weights as part by part,
+// so the same bits.
+inline void bf16_dot_parts(const float* x, int64_t M, int64_t K, const DotPart* parts, int n_parts, int64_t ldo) {
+  const int64_t Kp = (K + 31) / 32 * 32;
+  std::vector<uint16_t> xb(M * Kp);
+  round_rows_bf16(x, M, K, Kp, xb.data());
+  int64_t N = 0;
+  for (int i = 0; i < n_parts; ++i) N += parts[i].N;
+  const int64_t tile = std::max<int64_t>(1, (256 * 1024) / (2 * K));
+  for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
+    int64_t base = 0;
+    for (int i = 0; i < n_parts && base < t1; base += parts[i].N, ++i) {
+      const DotPart& p = parts[i];
+      const int64_t a = std::max(t0, base) - base, b = std::min(t1, base + p.N) - base;
+      for (int64_t m0 = 0; a < b && m0 < M; m0 += kDotRows)
+        kDotBlocks<false>[std::min(kDotRows, M - m0)](xb.data() + m0 * Kp, Kp, p.w, K, p.bias, p.out + m0 * ldo, ldo,
+                                                       a, b, nullptr, nullptr);
+    }
+  });
+}
+
 // x [M, K] fp32 -> each 16-wide chunk reordered to [0-3, 8-11, 4-7, 12-15], as Bf16Rows::widen reads bf16.
 inline void permute_rows_bf16(const float* x, float* out, int64_t M, int64_t K) {
   const int64_t K16 = K - K % 16;

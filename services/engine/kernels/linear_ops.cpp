@@ -80,6 +80,34 @@ at::Tensor bf16_dot_chunked_linear(const at::Tensor& x, const at::Tensor& weight
   return run(x, lw);
 }
 
+// Several bf16 weights [N_i, K] against one input in one pass of the threads (linear.h, bf16_dot_parts),
+// as the fused decoder runs q, k and v (an empty bias: none): [.., sum N_i]. For tests.
+at::Tensor bf16_dot_parts_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                 const std::vector<at::Tensor>& biases) {
+  TORCH_CHECK(specd::use_bf16_dot(), "the bf16 dot products are off in this process");
+  TORCH_CHECK(!weights.empty() && weights.size() == biases.size(), "one bias (or an empty tensor) per weight");
+  const int64_t K = x.size(-1);
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  int64_t N = 0;
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
+                "every weight must be a contiguous 2-D bf16 tensor as wide as x");
+    N += w.size(0);
+  }
+  at::Tensor out = at::empty({xf.size(0), N}, xf.options());
+  std::vector<at::Tensor> held(weights.size());
+  std::vector<specd::DotPart> parts;
+  int64_t offset = 0;
+  for (size_t i = 0; i < weights.size(); offset += weights[i].size(0), ++i)
+    parts.push_back({static_cast<const uint16_t*>(weights[i].data_ptr()), weights[i].size(0),
+                     biases[i].numel() ? bias_ptr(biases[i], held[i], weights[i].size(0)) : nullptr,
+                     out.data_ptr<float>() + offset});
+  specd::bf16_dot_parts(xf.data_ptr<float>(), xf.size(0), K, parts.data(), static_cast<int>(parts.size()), N);
+  auto lead = x.sizes().vec();
+  lead.back() = N;
+  return out.reshape(lead);
+}
+
 // bf16 weights on the tile unit (linear.h, "bf16 on AMX"), packed at each call: for tests and
 // microbenchmarks (the fused decoder packs its layers once).
 at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -328,6 +356,7 @@ TORCH_LIBRARY(specd_kernels, m) {
   m.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
   m.def("stream_read(Tensor buffer) -> int");
   m.def("advise_huge_pages(Tensor t) -> bool", &advise_huge_pages);
+  m.def("bf16_dot_parts_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tensor", &bf16_dot_parts_linear);
   m.def("move_to_huge_pages(Tensor t, int offset, int length) -> int", &move_to_huge_pages);
   m.def("kernel_tuning() -> int[]", &kernel_tuning);
   m.def("weight_tiles(int N, int tile, bool hold_first_share) -> Tensor", &weight_tiles);
