@@ -465,7 +465,10 @@ def _bound_rounds(engine: Engine, ids, bound: dict, buffer: torch.Tensor) -> Non
     prompt), each between two readings of the bandwidth: a whole pass often straddles a swing of a VM
     whose read doubles and halves within seconds (a pass then reads 0.5 or 1.5 of the bound), a short
     round between two agreeing readings ran at that bandwidth."""
-    read = lambda: measure_read_bandwidth(reps=3, buffer=buffer).best_gb_s  # noqa: E731
+
+    def read() -> float:
+        return measure_read_bandwidth(reps=3, buffer=buffer).best_gb_s
+
     before = read()
     for _ in range(BOUND_ROUNDS_PER_PASS):
         req = Request(f"bound-{time.monotonic_ns()}", ids, _params(0.0, BOUND_ROUND_TOKENS, 0), SpecConfig("none", 0))

@@ -64,7 +64,8 @@ inline std::vector<std::pair<uintptr_t, uintptr_t>> private_file_spans(uintptr_t
     char perms[8] = {0}, dev[32] = {0};
     if (std::sscanf(line, "%lx-%lx %7s %lx %31s %lu", &start, &end, perms, &offset, dev, &inode) != 6) continue;
     if (start >= hi) break;
-    if (end > lo && perms[3] == 'p' && inode != 0) spans.emplace_back(std::max<uintptr_t>(start, lo), std::min<uintptr_t>(end, hi));
+    if (end > lo && perms[3] == 'p' && inode != 0)
+      spans.emplace_back(std::max<uintptr_t>(start, lo), std::min<uintptr_t>(end, hi));
   }
   std::fclose(maps);
 #else
@@ -111,9 +112,9 @@ inline size_t move_span_to_huge_pages(uintptr_t lo, uintptr_t hi) {
 // The rest of a page the range only touches is the same map's (a checkpoint's other tensors or its
 // header), which nothing writes. Pages moved before are anonymous by then and left alone, so
 // neighbouring tensors can be moved one after the other. Why: weights read in place from a
-// checkpoint's map sit in 4 KB pages, and the 1.5B target decoded 1.069x faster from a copy in 2 MB
-// pages (median of 20 alternated rounds in one process, AMD Zen 4 VM, its fast minutes; level in its
-// slow ones). Not at load: on a VM that hands free memory back to its host each 2 MB page costs
+// checkpoint's map sit in 4 KB pages, and the 1.5B target decoded 1.108x faster once they were moved
+// (median of 24 alternated rounds in one process, AMD Zen 4 VM: faster in its fast minutes, level in
+// its slow ones). Not at load: on a VM that hands free memory back to its host each 2 MB page costs
 // milliseconds to fault in, so weight_pages.py moves a model's weights on a background thread.
 // Returns the bytes moved: 0 where nothing could be (no private file mapping, already moved, THP
 // off, SPECD_HUGE_PAGES=0, not Linux).
