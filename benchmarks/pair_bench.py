@@ -133,32 +133,47 @@ def _params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
 
 
+@dataclass(frozen=True)
+class _Streamed:
+    """One request run alone: its tokens, its wall time, and its decoding (after the first token)."""
+
+    tokens: list[int]
+    seconds: float
+    decode_tokens: int
+    decode_seconds: float  # 0 where nothing was decoded
+    stats: SpecStats | None
+
+
+def _stream_alone(engine: Engine, req: Request) -> _Streamed:
+    """Submit ``req`` and stream it to the end, timing it from submission and from its first token."""
+    t0 = time.perf_counter()
+    engine.add_request(req)
+    first_at, first_n, tokens, stats = None, 0, [], None
+    for out in engine.stream():
+        if out.token_ids and first_at is None:
+            first_at, first_n = time.perf_counter(), len(out.token_ids)
+        tokens += out.token_ids
+        if out.finished:
+            stats = out.stats
+    t1 = time.perf_counter()
+    if first_at is None:
+        return _Streamed(tokens, t1 - t0, 0, 0.0, stats)
+    return _Streamed(tokens, t1 - t0, len(tokens) - first_n, t1 - first_at, stats)
+
+
 def run_specd(engine: Engine, prompts, method: str, k: int, cfg: PairBenchConfig, run: Run) -> None:
     """Each prompt alone (batch 1); wall time from submission to the last token, and decode-only."""
     for i, ids in enumerate(prompts):
         params = _params(run.temperature, cfg.max_tokens, cfg.seed + i)
-        req = Request(f"{run.mode}-{i}-{time.monotonic_ns()}", ids, params, SpecConfig(method, k))
-        t0 = time.perf_counter()
-        engine.add_request(req)
-        first_at, first_n, n, stats = None, 0, 0, None
-        tokens: list[int] = []
-        for out in engine.stream():
-            if out.token_ids and first_at is None:
-                first_at, first_n = time.perf_counter(), len(out.token_ids)
-            n += len(out.token_ids)
-            tokens += out.token_ids
-            if out.finished:
-                stats = out.stats
-        t1 = time.perf_counter()
+        r = _stream_alone(engine, Request(f"{run.mode}-{i}-{time.monotonic_ns()}", ids, params, SpecConfig(method, k)))
         if len(run.outputs) < len(prompts):
-            run.outputs.append(tokens)
-        run.seconds += t1 - t0
-        run.tokens += n
-        if first_at is not None:
-            run.decode_tokens += n - first_n
-            run.decode_seconds += t1 - first_at
-        if stats is not None:
-            run.stats.merge(stats)
+            run.outputs.append(r.tokens)
+        run.seconds += r.seconds
+        run.tokens += len(r.tokens)
+        run.decode_tokens += r.decode_tokens
+        run.decode_seconds += r.decode_seconds
+        if r.stats is not None:
+            run.stats.merge(r.stats)
 
 
 def run_hf(hf_target, hf_draft, prompts, cfg: PairBenchConfig, run: Run) -> None:
@@ -472,13 +487,8 @@ def _bound_rounds(engine: Engine, ids, bound: dict, buffer: torch.Tensor) -> Non
     before = read()
     for _ in range(BOUND_ROUNDS_PER_PASS):
         req = Request(f"bound-{time.monotonic_ns()}", ids, _params(0.0, BOUND_ROUND_TOKENS, 0), SpecConfig("none", 0))
-        engine.add_request(req)
-        first_at, first_n, n = None, 0, 0
-        for out in engine.stream():
-            if out.token_ids and first_at is None:
-                first_at, first_n = time.perf_counter(), len(out.token_ids)
-            n += len(out.token_ids)
-        rate = (n - first_n) / (time.perf_counter() - first_at) if first_at is not None else 0.0
+        r = _stream_alone(engine, req)
+        rate = r.decode_tokens / r.decode_seconds if r.decode_seconds > 0 else 0.0
         after = read()
         _raise_bound(bound, max(before, after))
         bound.setdefault("target_only_rounds", []).append(

@@ -31,30 +31,26 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds ``address`` (/proc/self/smaps)."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The values of ``field`` (``VmFlags``, ``AnonHugePages``, ...) for the mapping that holds
+    ``address`` (/proc/self/smaps)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and head == "VmFlags:":
+        elif inside and head == field + ":":
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def _vm_flags(address: int) -> list[str]:
+    return _smaps_field(address, "VmFlags")
+
+
 def _anon_huge_kb(address: int) -> int:
-    """The AnonHugePages (kB) of the mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return int(_smaps_field(address, "AnonHugePages")[0])
 
 
 def _huge_interior(t: torch.Tensor) -> int:

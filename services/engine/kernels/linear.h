@@ -638,41 +638,8 @@ SPECD_BF16_DOT inline void round_rows_bf16(const float* x, int64_t M, int64_t K,
   }
 }
 
-// y[M, N] (row stride ldo) = x[M, K] W^T + b with bf16 dot products, threads splitting the weight rows
-// and each thread's rows taken in L2-sized tiles that every block of up to kDotRows input rows meets.
-// W is [N, K] in place, or with KC > 0 packed by dot_chunk_pack in chunks of KC: the same products,
-// bit for bit (the blocks carry each output's accumulators from chunk to chunk).
-inline void bf16_dot_rows(const float* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, const float* bias,
-                          float* out, int64_t ldo, int64_t KC = 0) {
-  const int64_t Kp = (K + 31) / 32 * 32;  // = K when chunked (K % 64 == 0)
-  std::vector<uint16_t> xb(M * Kp);
-  round_rows_bf16(x, M, K, Kp, xb.data());
-  const int64_t chunks = KC > 0 ? K / KC : 1, width = KC > 0 ? KC : K;  // a block's row length
-  const DotBlockFn* blocks = KC > 0 ? kDotBlocks<true> : kDotBlocks<false>;
-  // Chunked rows, decoding or verifying (one block of input rows), take long tiles: each chunk of a
-  // tile is then one long sequential stream (kDotChunkTileRows).
-  const int64_t tile = KC > 0 && M <= kDotRows ? kDotChunkTileRows : std::max<int64_t>(1, (256 * 1024) / (2 * K));
-  for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
-    float* acc = nullptr;
-    if (chunks > 1) {
-      // Kept per thread and grown only: with a fresh vector per tile the 1.5B target decoded no faster
-      // than with its rows in place (four pairs of processes, alternated), with this one 1.07x (the
-      // cause not traced; a freed 32 KB block is presumably handed back and faulted in again).
-      thread_local std::vector<float> buffer;
-      buffer.resize(std::max<size_t>(buffer.size(), (t1 - t0) * std::min(M, kDotRows) * 32));
-      acc = buffer.data();
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
-      const int64_t R = std::min(kDotRows, M - m0);
-      for (int64_t c = 0; c < chunks; ++c)
-        blocks[R](xb.data() + m0 * Kp + c * width, Kp, w + c * N * width, width, bias, out + m0 * ldo, ldo, t0, t1,
-                  c > 0 ? acc : nullptr, c + 1 < chunks ? acc : nullptr);
-    }
-  });
-}
-
-// One of several bf16 weight matrices in place that read the same input (q, k and v; gate and up),
-// and where its outputs go.
+// A bf16 weight matrix in place and where its outputs go: one layer's, or one of several that read the
+// same input (q, k and v; gate and up).
 struct DotPart {
   const uint16_t* w;  // [N, K]
   int64_t N;
@@ -680,10 +647,11 @@ struct DotPart {
   float* out;         // its first output column (row stride ldo)
 };
 
-// bf16_dot_rows over several parts at once: their rows are one range that the threads split and take
-// tiles of (for_each_weight_tile), so a layer stored as three matrices costs the threads one start and
-// one wait instead of three. Each output row is the same block over the same weights as part by part,
-// so the same bits.
+// y = x W^T + b with bf16 dot products for one or several weight matrices in place (bf16_dot_rows for
+// one): their rows are one range that the threads split and take L2-sized tiles of
+// (for_each_weight_tile), each tile meeting every block of up to kDotRows input rows, so a layer
+// stored as three matrices costs the threads one start and one wait instead of three. Each output row
+// is the same block over the same weights whatever the parts around it, so the same bits.
 inline void bf16_dot_parts(const float* x, int64_t M, int64_t K, const DotPart* parts, int n_parts, int64_t ldo) {
   const int64_t Kp = (K + 31) / 32 * 32;
   std::vector<uint16_t> xb(M * Kp);
@@ -699,6 +667,41 @@ inline void bf16_dot_parts(const float* x, int64_t M, int64_t K, const DotPart* 
       for (int64_t m0 = 0; a < b && m0 < M; m0 += kDotRows)
         kDotBlocks<false>[std::min(kDotRows, M - m0)](xb.data() + m0 * Kp, Kp, p.w, K, p.bias, p.out + m0 * ldo, ldo,
                                                        a, b, nullptr, nullptr);
+    }
+  });
+}
+
+// y[M, N] (row stride ldo) = x[M, K] W^T + b with bf16 dot products, threads splitting the weight rows
+// and each thread's rows taken in L2-sized tiles that every block of up to kDotRows input rows meets.
+// W is [N, K] in place, or with KC > 0 packed by dot_chunk_pack in chunks of KC: the same products,
+// bit for bit (the blocks carry each output's accumulators from chunk to chunk).
+inline void bf16_dot_rows(const float* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, const float* bias,
+                          float* out, int64_t ldo, int64_t KC = 0) {
+  if (KC == 0) {
+    const DotPart whole{w, N, bias, out};
+    return bf16_dot_parts(x, M, K, &whole, 1, ldo);
+  }
+  std::vector<uint16_t> xb(M * K);  // K % 64 == 0: no padding
+  round_rows_bf16(x, M, K, K, xb.data());
+  const int64_t chunks = K / KC;
+  // Chunked rows, decoding or verifying (one block of input rows), take long tiles: each chunk of a
+  // tile is then one long sequential stream (kDotChunkTileRows).
+  const int64_t tile = M <= kDotRows ? kDotChunkTileRows : std::max<int64_t>(1, (256 * 1024) / (2 * K));
+  for_each_weight_tile(N, tile, [&](int64_t t0, int64_t t1) {
+    float* acc = nullptr;
+    if (chunks > 1) {
+      // Kept per thread and grown only: with a fresh vector per tile the 1.5B target decoded no faster
+      // than with its rows in place (four pairs of processes, alternated), with this one 1.07x (the
+      // cause not traced; a freed 32 KB block is presumably handed back and faulted in again).
+      thread_local std::vector<float> buffer;
+      buffer.resize(std::max<size_t>(buffer.size(), (t1 - t0) * std::min(M, kDotRows) * 32));
+      acc = buffer.data();
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
+      const int64_t R = std::min(kDotRows, M - m0);
+      for (int64_t c = 0; c < chunks; ++c)
+        kDotBlocks<true>[R](xb.data() + m0 * K + c * KC, K, w + c * N * KC, KC, bias, out + m0 * ldo, ldo, t0, t1,
+                            c > 0 ? acc : nullptr, c + 1 < chunks ? acc : nullptr);
     }
   });
 }
