@@ -743,9 +743,11 @@ class Engine:
         sampling: BatchSampling | None,  # None only when every row is greedy
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, K1 = logits.shape[0], logits.shape[1]
+        greedy_rows = [i for i, s in enumerate(seqs) if s.req.params.greedy]
+        if len(greedy_rows) == B:  # the usual batch: nothing to assemble
+            return greedy_verify(logits, guesses)
         token_ids = torch.full((B, K1), -1, dtype=torch.long, device=self.device)
         num_emitted = torch.zeros(B, dtype=torch.long, device=self.device)
-        greedy_rows = [i for i, s in enumerate(seqs) if s.req.params.greedy]
         if greedy_rows:
             g = self._rows_index(greedy_rows, B)
             t, n = greedy_verify(logits[g], guesses[g])

@@ -195,6 +195,16 @@ def test_greedy_verify_with_no_guesses_is_one_argmax_step() -> None:
     assert tokens.tolist() == [[1, -1]] and emitted.tolist() == [1]
 
 
+def test_greedy_verify_of_a_round_without_guesses() -> None:
+    """k = 0 (target alone, `auto` at rest) takes a short path: one argmax token per row, the first
+    maximum on ties, as the long form's layout ([B, 1] long, one token emitted per row)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(-2, 3, (9, 1, 50), generator=g).float()  # many ties
+    tokens, emitted = greedy_verify(logits, torch.empty(9, 0, dtype=torch.long))
+    assert tokens.dtype == torch.long and emitted.dtype == torch.long
+    assert torch.equal(tokens, logits.argmax(-1)) and emitted.tolist() == [1] * 9
+
+
 def test_argmax_last_is_torchs_argmax() -> None:
     """Greedy tokens come from argmax_last (numpy's argmax on a CPU, for speed): the same indices as
     torch's argmax on ties (the first maximum), NaN (the first NaN), infinities, signed zeros, strided
