@@ -86,3 +86,18 @@ def test_switched_off_each_thread_runs_only_its_own_share() -> None:
     env = {**os.environ, "SPECD_WORK_STEALING": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[(False, 1), (True, 0)]"
+
+
+def test_claims_shrink_as_a_share_runs_out(two_threads: None) -> None:
+    """A thread claims at most half of what is left of a share (down to 16 rows), so the last
+    claims, which no other thread can take any more, are short. Thread 1 drains its own share alone
+    here (thread 0 is held until thread 1 has stolen, which it does only once its share is done)."""
+    n, tile = 1536, 256
+    tiles = _tiles(n, tile, True)
+    _assert_partition(tiles, n)
+    own = [b - a for a, b, thread in tiles if thread == 1 and a >= n // 2]
+    assert own == [256, 256, 128, 64, 32, 16, 16]
+    # Steals shrink too: the first is half of what thread 0 left unclaimed ([256, 768)); how many
+    # follow depends on when thread 0, released, claims the rest.
+    stolen = [b - a for a, b, thread in tiles if thread == 1 and b <= n // 2]
+    assert stolen and stolen[0] == 256 and stolen == sorted(stolen, reverse=True), stolen
