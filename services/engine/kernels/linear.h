@@ -396,8 +396,8 @@ inline bool use_work_stealing() {
 }
 
 // Weight rows [0, N) split over the threads, each thread's share taken in tiles of at most `tile`
-// rows, shorter near a share's end (fn(t0, t1) per tile, each row in exactly one tile), so that a tile stays in L2 while every block
-// of input rows meets it.
+// rows, shorter near a share's end (fn(t0, t1) per tile, each row in exactly one tile), so that a
+// tile stays in L2 while every block of input rows meets it.
 //
 // Each thread walks its own contiguous share from the front: one sequential stream per thread.
 // Handing out interleaved tiles from one counter instead made the 1.5B target decode 7% slower on
