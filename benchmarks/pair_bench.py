@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import json
 import signal
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -458,12 +459,10 @@ def summarize_bound_rounds(rounds: list[dict], best_gb_s: float) -> dict:
     fast minutes (read within ``FAST_READ_SHARE`` of ``best_gb_s``, the run's best reading)."""
 
     def stats(shares: list[float]) -> dict:
-        shares = sorted(shares)
         if not shares:
             return {"rounds": 0, "median": None, "min": None, "max": None}
-        n = len(shares)
-        median = shares[n // 2] if n % 2 else (shares[n // 2 - 1] + shares[n // 2]) / 2
-        return {"rounds": n, "median": round(median, 3), "min": shares[0], "max": shares[-1]}
+        median = round(statistics.median(shares), 3)
+        return {"rounds": len(shares), "median": median, "min": min(shares), "max": max(shares)}
 
     steady = [r for r in rounds if r["steady"]]
     fast_read = FAST_READ_SHARE * best_gb_s
