@@ -372,7 +372,10 @@ class FusedDecoder : public torch::CustomClassHolder {
           // attention took ~250 us a layer (6 GB/s of cache read), 7% of the 1.5B target's step;
           // with this the step was 1.024x and 1.027x faster (in-process A/B runs of 20 and 10
           // rounds, docs/benchmarks.md), level at a short prompt (1.010x). No arithmetic changes.
-          for (int64_t j = 0; j < n_max; ++j) prefetch_row_l2(vc + (rows[j] * Hkv_ + g) * D_, D_);
+          // At most kValuePrefetchBytes of them: past about half of L2 (1-2 MB a core on the CPUs
+          // measured) the first rows would be evicted by the last, and the keys with them.
+          const int64_t ahead = std::min(n_max, kValuePrefetchBytes / (2 * D_));
+          for (int64_t j = 0; j < ahead; ++j) prefetch_row_l2(vc + (rows[j] * Hkv_ + g) * D_, D_);
           auto k_at = [&](int64_t j) { return KeyBf16{kc + (rows[j] * Hkv_ + g) * D_}; };
           auto v_at = [&](int64_t j) { return KeyBf16{vc + (rows[j] * Hkv_ + g) * D_}; };
           attend(qkv, r0, g, pos[r0] + 1, k_at, v_at, scores, out);
@@ -405,6 +408,9 @@ class FusedDecoder : public torch::CustomClassHolder {
   // across a block boundary): too far apart for the hardware's prefetcher to follow within a page.
   // Positions are fetched this far ahead.
   static constexpr int64_t kPrefetch = 8;
+  // The most of one KV head's values a one-row step prefetches into L2 before scoring (attention):
+  // 2,048 positions of a 128-wide head, more than the 1,500 it was measured at.
+  static constexpr int64_t kValuePrefetchBytes = 512 * 1024;
 
   static void prefetch_row(const uint16_t* p, int64_t D) {
     for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
