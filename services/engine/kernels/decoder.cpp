@@ -375,7 +375,7 @@ class FusedDecoder : public torch::CustomClassHolder {
           // At most kValuePrefetchBytes of them: past about half of L2 (1-2 MB a core on the CPUs
           // measured) the first rows would be evicted by the last, and the keys with them.
           const int64_t ahead = std::min(n_max, kValuePrefetchBytes / (2 * D_));
-          for (int64_t j = 0; j < ahead; ++j) prefetch_row_l2(vc + (rows[j] * Hkv_ + g) * D_, D_);
+          for (int64_t j = 0; j < ahead; ++j) prefetch_row(vc + (rows[j] * Hkv_ + g) * D_, D_, true);
           auto k_at = [&](int64_t j) { return KeyBf16{kc + (rows[j] * Hkv_ + g) * D_}; };
           auto v_at = [&](int64_t j) { return KeyBf16{vc + (rows[j] * Hkv_ + g) * D_}; };
           attend(qkv, r0, g, pos[r0] + 1, k_at, v_at, scores, out);
@@ -412,11 +412,15 @@ class FusedDecoder : public torch::CustomClassHolder {
   // 2,048 positions of a 128-wide head, more than the 1,500 it was measured at.
   static constexpr int64_t kValuePrefetchBytes = 512 * 1024;
 
-  static void prefetch_row(const uint16_t* p, int64_t D) {
-    for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
-  }
-  static void prefetch_row_l2(const uint16_t* p, int64_t D) {
-    for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+  // A cache row's D bf16 values into L1, or into L2 (to_l2: rows wanted later than the next few).
+  static void prefetch_row(const uint16_t* p, int64_t D, bool to_l2 = false) {
+    for (int64_t i = 0; i < D; i += 32) {
+      const char* line = reinterpret_cast<const char*>(p + i);
+      if (to_l2)
+        _mm_prefetch(line, _MM_HINT_T1);
+      else
+        _mm_prefetch(line, _MM_HINT_T0);
+    }
   }
 
   struct KeyBf16 {  // 8 lanes of a bf16 cache row, widened
