@@ -66,6 +66,8 @@ def rejection_sample(
     B, k1, V = target_probs.shape
     k = k1 - 1
     device = target_probs.device
+    if k == 0:
+        return _sample_alone(target_probs, generator)
     has_draft = draft_token_ids >= 0  # [B, k]
     safe_ids = draft_token_ids.clamp_min(0).unsqueeze(-1)  # [B, k, 1]
     p_d = target_probs[:, :k].gather(-1, safe_ids).squeeze(-1)  # [B, k]
@@ -100,6 +102,25 @@ def rejection_sample(
     residual = recovered_distribution(p_sel, q_sel)  # [B, V]
     final = sample_from(residual, u_final)  # [B]
     return _emit(draft_token_ids, num_accepted, final), num_accepted + 1
+
+
+def _sample_alone(target_probs: torch.Tensor, generator: Generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_sample` for a round without guesses (target alone, or `auto` resting), the
+    same draws: one uniform a row (the final token's, drawn first there too), the token from
+    ``recovered_distribution(p, 0)``, which is p divided by the same sum. The general path's
+    gathers, masks and zero q cost the demo target alone about 7% of its speed at a temperature
+    (docs/benchmarks.md); this is the same arithmetic on the same values, so the same tokens bit
+    for bit. A test checks a seeded row's draws against a wider round's (a different uniform would
+    fail it; a change of the normalisation's rounding, too rare to show, would not).
+
+    target_probs [B, 1, V] -> (token_ids [B, 1], num_emitted [B] of ones)."""
+    B = target_probs.shape[0]
+    u_final = uniforms((1,), generator, B, target_probs.device)[:, 0]
+    p = target_probs[:, 0]  # [B, V], contiguous as the general path's gathered copy is
+    total = p.sum(dim=-1, keepdim=True)
+    dist = torch.where(total > 0, p / total.clamp_min(torch.finfo(p.dtype).tiny), p)
+    final = sample_from(dist, u_final)
+    return final.unsqueeze(1), torch.ones(B, dtype=torch.long, device=target_probs.device)
 
 
 def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

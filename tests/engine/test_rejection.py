@@ -139,6 +139,35 @@ def test_seeded_runs_repeat_exactly_and_per_row_generators_are_independent() -> 
     assert torch.equal(full[0][3:4], alone[0]) and torch.equal(full[1][3:4], alone[1])
 
 
+@pytest.mark.parametrize("V", [7, 8192, 151_936])
+def test_a_round_without_guesses_draws_what_a_row_without_guesses_draws_in_a_wider_round(V: int) -> None:
+    """k = 0 (the target alone, or `auto` resting) takes a shorter path; a seeded row must draw the
+    same token there as in a round where other rows guess and it has none (its uniform for the
+    final token comes first either way, and its distribution is p at position 0 normalised). A
+    different uniform fails this; a rounding-level change of the normalisation would rarely show."""
+    B = 64
+    g = torch.Generator().manual_seed(5)
+    tp = torch.softmax(3 * torch.randn(B, 3, V, generator=g), -1)
+    tp[0, 0] = 0.0  # a row with no mass at all: both paths fall back to p itself
+    seeds = [int(x) for x in torch.randint(0, 2**62, (B,), generator=g)]
+    no_guesses = torch.empty(B, 0, dtype=torch.long)
+    alone, emitted = rejection_sample(tp[:, :1].contiguous(), no_guesses, None, seeds)
+    guesses = torch.full((B, 2), -1)
+    guesses[B // 2 :] = torch.randint(0, V, (B // 2, 2), generator=g)  # the other half guesses (n-gram)
+    wider, _ = rejection_sample(tp, guesses, None, seeds)
+    assert alone.shape == (B, 1) and torch.all(emitted == 1)
+    assert torch.equal(alone[: B // 2, 0], wider[: B // 2, 0])
+
+
+def test_a_round_without_guesses_samples_from_p() -> None:
+    n = 50_000
+    no_guesses = torch.empty(n, 0, dtype=torch.long)
+    target = P.expand(n, 1, 3).contiguous()
+    tokens, emitted = rejection_sample(target, no_guesses, None, torch.Generator().manual_seed(12))
+    assert torch.all(emitted == 1)
+    assert _first_token_chi2(tokens, P) > 1e-3
+
+
 def test_output_layout_and_padding() -> None:
     g = torch.Generator().manual_seed(1)
     B, k = 32, 5
