@@ -38,7 +38,13 @@ def recovered_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     With q = 0 (no guess, or the bonus position) it is p itself. max(0, p - q) has no mass only if
     p == q, which a rejection rules out up to rounding; p is used there rather than nothing.
     """
-    residual = (p - q).clamp_min(0.0)
+    return _normalised((p - q).clamp_min(0.0), p)
+
+
+def _normalised(residual: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``residual`` [..., V] divided by its sum, or ``p`` where it has no mass: the last step of
+    :func:`recovered_distribution`, shared with the round without guesses (_sample_alone), whose
+    draws must be the general path's bit for bit."""
     total = residual.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
 
@@ -107,7 +113,7 @@ def rejection_sample(
 def _sample_alone(target_probs: torch.Tensor, generator: Generators) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rejection_sample` for a round without guesses (target alone, or `auto` resting), the
     same draws: one uniform a row (the final token's, drawn first there too), the token from
-    ``recovered_distribution(p, 0)``, which is p divided by the same sum. The general path's
+    ``recovered_distribution(p, 0)`` through the same normalisation (_normalised). The general path's
     gathers, masks and zero q cost the demo target alone about 7% of its speed at a temperature
     (docs/benchmarks.md); this is the same arithmetic on the same values, so the same tokens bit
     for bit. A test checks a seeded row's draws against a wider round's (a different uniform would
@@ -117,9 +123,8 @@ def _sample_alone(target_probs: torch.Tensor, generator: Generators) -> tuple[to
     B = target_probs.shape[0]
     u_final = uniforms((1,), generator, B, target_probs.device)[:, 0]
     p = target_probs[:, 0]  # [B, V], contiguous as the general path's gathered copy is
-    total = p.sum(dim=-1, keepdim=True)
-    dist = torch.where(total > 0, p / total.clamp_min(torch.finfo(p.dtype).tiny), p)
-    final = sample_from(dist, u_final)
+    # (p - 0).clamp_min(0) is p itself, so recovered_distribution(p, 0) is this.
+    final = sample_from(_normalised(p, p), u_final)
     return final.unsqueeze(1), torch.ones(B, dtype=torch.long, device=target_probs.device)
 
 
