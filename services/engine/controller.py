@@ -545,6 +545,9 @@ class ControllerConfig:
     explore_width_alone: float = 0.04
     explore_anywhere_alone: float = 0.01
     explore_start: float = 0.02  # per round, with speculation off everywhere: try a width of 1
+    # A batch size met for the first time (more than one row) runs one plain round before anything
+    # else: see SpeculationController._explore_and_count.
+    explore_new_batch: bool = True
     # Per plan of a batch that would rest (see dormant_rounds), with this probability: the best
     # round with guesses instead, where the batch's rows were never timed at its width. A batch at
     # rest plans once per rest and times nothing in between, so a plain plan made from untimed
@@ -552,8 +555,9 @@ class ControllerConfig:
     # went plain at their first plan and stayed plain for the whole pass. Only untimed shapes: a
     # version that kept probing timed ones at explore_settled's share gained in the stack's
     # first passes and seemed to lose in its later ones (docs/benchmarks.md). A shape counts as
-    # timed once its timings are folded in (at the next refit, refit_every), so it is probed for
-    # up to that many plans: one noisy timing does not settle it.
+    # timed once its timings are folded in, at the plan after its first one (observe_costs): probed
+    # until the next refit instead, up to refit_every plans, a batch of 4 real-pair rows met for
+    # the first time speculated in most of its first 16 rounds where plain ones were faster.
     explore_resting: float = 1.0
     # Per round, at a batch that speculates: a round without guesses, so the fit keeps seeing what
     # a plain round costs. Never seeing one, it priced a plain round by extending its line down
@@ -700,8 +704,11 @@ class _ShapedFit:
     numpy calls than a batch of one's whole choice.
     """
 
-    def __init__(self, shape: Sequence[float], prior_weight: float) -> None:
+    def __init__(self, shape: Sequence[float], prior_weight: float, free_deviation: int | None = None) -> None:
         self.shape = [float(x) for x in shape]
+        # A feature whose deviation is (all but) unpenalised: what the data cannot split among
+        # features that never varied apart (collinear) goes to it, not equally to each.
+        self.free_deviation = free_deviation
         p = len(shape) + 1
         self.ztz = [[0.0] * p for _ in range(p)]  # lower triangle used
         self.zty = [0.0] * p
@@ -756,7 +763,8 @@ class _ShapedFit:
         ridge = []
         for i in range(1, n):
             mean_sq = gram[i][i] + 1e-12
-            ridge.append(self.prior_weight * (max(mean_sq - mean[i] ** 2, 0.0) + 1e-3 * mean_sq) / rounds)
+            floor = (1e-9 if i - 1 == self.free_deviation else 1e-3) * mean_sq
+            ridge.append(self.prior_weight * (max(mean_sq - mean[i] ** 2, 0.0) + floor) / rounds)
         held: list[int] = []
         while True:
             free = [j for j in range(features) if j not in held]
@@ -856,7 +864,12 @@ class SpeculationController:
         self.global_counts = (DecayedCounts(2, k), DecayedCounts(2, k))
         self._global_estimate: list[list[list[float]] | None] = [None, None]  # per greedy, cached
         self._global_age = [0, 0]  # rounds since each was computed
-        self.verify_fit = _ShapedFit(_VERIFY_SHAPE, config.cost_prior_weight)
+        # The fixed cost takes what the rows cannot be told apart from: a batch that has only ever
+        # run one size (one row, say) says nothing of what a row costs. Split evenly between the
+        # two, a weights-bound target's fixed cost made each further row look nearly as dear as the
+        # pass (the real pair's first plain rounds of 4 rows priced at 124-182 ms, when they took
+        # 80-90, as one row did), and speculation cheap beside them.
+        self.verify_fit = _ShapedFit(_VERIFY_SHAPE, config.cost_prior_weight, free_deviation=0)
         self.draft_fit = _ShapedFit(_DRAFT_SHAPE, config.cost_prior_weight)
         self.rng = random.Random(config.seed)  # exploration: one draw a round, no array needed
         self.stats = ControllerStats()
@@ -880,6 +893,7 @@ class SpeculationController:
         # Timed rounds by (rows, width), decayed per observation of that shape like the staircase
         # (see _unsettled).
         self._seen: dict[tuple[int, int], float] = {}
+        self._pending: set[tuple[int, int]] = set()  # shapes timed since the last fold
 
     # ----------------------------------------------------------------------- estimates
 
@@ -1035,8 +1049,16 @@ class SpeculationController:
             without = plain()
             if choice.goodput < (1.0 + cfg.batch_margin) * without.goodput:
                 choice = without
-        explore = self._exploration_range(choice, can_guess, kmax)
-        if explore is not None:
+        rows = len(choice.ks)
+        if cfg.explore_new_batch and batch and can_guess and rows < cfg.step_tokens and self._never_timed(rows, 0):
+            # A batch size met for the first time runs one plain round first (and plans again at
+            # the next): every choice there is judged against a plain round's price, which the fit
+            # only extrapolates from other sizes until one is timed, and it is the round "none"
+            # would run anyway.
+            choice = plain()
+            self.stats.explored += 1
+            self._dormant, self._rest = 0, cfg.dormant_rounds
+        elif (explore := self._exploration_range(choice, can_guess, kmax)) is not None:
             lo, hi, bounded = explore
             choice = self._explored(choice, choose_within((lo, hi)), bounded)
         elif choice.width > 0 or not batch:  # no rest, and the next one starts short
@@ -1171,6 +1193,10 @@ class SpeculationController:
             return None
         return self._explored(plain, trial, bounded=False)
 
+    def _never_timed(self, rows: int, width: int) -> bool:
+        """Whether no round of ``rows`` rows at ``width`` has been timed (folded in or waiting)."""
+        return (rows, width) not in self._seen and (rows, width) not in self._pending
+
     def _unsettled(self, rows: int, width: int) -> bool:
         """Whether a trial of ``width`` at ``rows`` rows goes ahead: always where rounds of that
         shape were never timed, less often the more were (explore_settled). By shape, not by the
@@ -1226,8 +1252,16 @@ class SpeculationController:
             (rows, width, keys, verify_seconds, model_steps if drafted else 0, model_rows, draft_seconds, caught_up)
         )
         self._cost_age += 1
-        if first_verify or first_draft:
-            self._stale = True  # the first timings replace the prior at once
+        shape = (rows, width)
+        first_of_shape = (
+            rows * (width + 1) < self.cfg.step_tokens and shape not in self._seen and shape not in self._pending
+        )
+        self._pending.add(shape)
+        if first_verify or first_draft or first_of_shape:
+            # The first timings replace the prior at once; a shape's first timing is folded in at
+            # the next plan too, so a batch resting at a new size probes each width once, not at
+            # every plan until the periodic refit (see _resting_probe).
+            self._stale = True
 
     def _fold_timings(self) -> None:
         """Fold the timings taken since the last refit into the fits, in order, each checked against
@@ -1266,3 +1300,4 @@ class SpeculationController:
                 x = (1.0, model_steps, model_steps * float(model_rows), float(caught_up))
                 self.draft_fit.add(x, min(draft_seconds, limit))
         self._timings.clear()
+        self._pending.clear()

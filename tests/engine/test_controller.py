@@ -37,6 +37,7 @@ _NO_EXPLORATION_KW = dict(
     explore_start=0.0,
     explore_resting=0.0,
     explore_plain=0.0,
+    explore_new_batch=False,
 )
 _NO_EXPLORATION = ControllerConfig(**_NO_EXPLORATION_KW)
 # A GPU at small batch: verification is memory-bound (a guess token costs ~nothing), draft steps cheap.
@@ -656,8 +657,10 @@ def test_a_shape_timed_often_does_not_settle_another_that_verifies_as_many_token
     """4 rows at k = 3 and 16 plain rows verify the same 16 tokens. A controller that has timed
     the first hundreds of times (and 16 rows at k = 3, never plain) still probes plain rounds at
     16 rows at the full explore_plain rate: settled by shape, not by the staircase's count of
-    verified tokens (keyed by the count, it probed at a seventh of the rate)."""
-    ctl = SpeculationController()
+    verified tokens (keyed by the count, it probed at a seventh of the rate). (Without the plain
+    round a new batch size runs first, explore_new_batch: nothing is timed here between plans, so
+    that round would be every round.)"""
+    ctl = SpeculationController(ControllerConfig(explore_new_batch=False))
     for _ in range(300):
         ctl.observe_costs(4, 3, 10.8e-3, 3, 4, 0.9e-3)
         ctl.observe_costs(16, 3, 13.2e-3, 3, 16, 1.2e-3)
@@ -913,3 +916,43 @@ def test_rests_double_while_plans_keep_resting_and_start_short_again() -> None:
     rate[0] = 0.0
     assert [rest_after_plan(rows) for rows in (4, 2, 3)] == [2, 4, 8]
     assert rest_after_plan(1) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_new_batch_size_where_guesses_cost_compute_starts_plain(seed: int) -> None:
+    """A CPU-like target (the real pair's on this machine): a verify pass costs the larger of
+    reading the weights (80 ms) and computing its tokens (20 ms each), so a batch of one verifies
+    up to 4 tokens for the price of one and speculates, while 4 rows verify 4 tokens for 80 ms and
+    8 for 160: there guesses accepted 80% of the time cost more than they give. Met for the first
+    time after hundreds of rounds alone, the batch of 4 times a plain round, probes a width and
+    rests. Before (the fixed cost split evenly with the rows, no plain round first, a probed width
+    counted untimed until the periodic refit) it speculated in 21 of its first 60 rounds at each of
+    these seeds; on the real pair in 24 of its first 28 plans (one in-process trace)."""
+    ctl = SpeculationController(ControllerConfig(seed=seed))
+
+    def verify_seconds(rows: int, width: int) -> float:
+        return max(80e-3, 20e-3 * rows * (width + 1))
+
+    def run(seqs: list[SeqAcceptance], rounds: int) -> list[int]:
+        rng = np.random.default_rng(seed)
+        widths = []
+        for _ in range(rounds):
+            if len(seqs) > 1 and ctl.dormant():
+                widths.append(0)  # a rest: a plain round, neither planned nor timed
+                continue
+            ch = ctl.plan([RowPlan(s, False, 4, 0, True) for s in seqs], 4)
+            widths.append(ch.width)
+            observed = []
+            for s, k in zip(seqs, ch.ks.tolist()):
+                accepted = int(np.argmin(np.append(rng.random(k) < 0.8, False))) if k else 0
+                observed.append((s, False, MODEL if k else -1, k, accepted))
+            ctl.observe_rows(observed)
+            steps = ch.model_steps
+            ctl.observe_costs(len(seqs), ch.width, verify_seconds(len(seqs), ch.width), steps, len(seqs), 10e-3 * steps)
+        return widths
+
+    alone = run([SeqAcceptance(KMAX)], 300)
+    assert np.mean(alone[100:]) > 2  # alone, guesses are nearly free: it speculates
+    four = run([SeqAcceptance(KMAX) for _ in range(4)], 60)
+    assert sum(1 for w in four if w > 0) <= 6, four
+    assert all(w == 0 for w in four[20:]), four
