@@ -893,7 +893,6 @@ class SpeculationController:
         # Timed rounds by (rows, width), decayed per observation of that shape like the staircase
         # (see _unsettled).
         self._seen: dict[tuple[int, int], float] = {}
-        self._pending: set[tuple[int, int]] = set()  # shapes timed since the last fold
 
     # ----------------------------------------------------------------------- estimates
 
@@ -1050,7 +1049,7 @@ class SpeculationController:
             if choice.goodput < (1.0 + cfg.batch_margin) * without.goodput:
                 choice = without
         rows = len(choice.ks)
-        if cfg.explore_new_batch and batch and can_guess and rows < cfg.step_tokens and self._never_timed(rows, 0):
+        if cfg.explore_new_batch and batch and can_guess and self._new_shape(rows, 0):
             # A batch size met for the first time runs one plain round first (and plans again at
             # the next): every choice there is judged against a plain round's price, which the fit
             # only extrapolates from other sizes until one is timed, and it is the round "none"
@@ -1193,9 +1192,13 @@ class SpeculationController:
             return None
         return self._explored(plain, trial, bounded=False)
 
-    def _never_timed(self, rows: int, width: int) -> bool:
-        """Whether no round of ``rows`` rows at ``width`` has been timed (folded in or waiting)."""
-        return (rows, width) not in self._seen and (rows, width) not in self._pending
+    def _new_shape(self, rows: int, width: int) -> bool:
+        """Whether no round of ``rows`` rows at ``width`` has been timed, folded in or waiting to be,
+        among the shapes the staircase keeps (fewer than step_tokens verified tokens; larger ones
+        are never kept, so never counted as timed)."""
+        if rows * (width + 1) >= self.cfg.step_tokens or (rows, width) in self._seen:
+            return False
+        return not any(t[0] == rows and t[1] == width for t in self._timings)
 
     def _unsettled(self, rows: int, width: int) -> bool:
         """Whether a trial of ``width`` at ``rows`` rows goes ahead: always where rounds of that
@@ -1248,15 +1251,11 @@ class SpeculationController:
         first_draft = drafted and not self._draft_timed
         self._timed_round += 1
         self._draft_timed = self._draft_timed or drafted
+        first_of_shape = self._new_shape(rows, width)
         self._timings.append(
             (rows, width, keys, verify_seconds, model_steps if drafted else 0, model_rows, draft_seconds, caught_up)
         )
         self._cost_age += 1
-        shape = (rows, width)
-        first_of_shape = (
-            rows * (width + 1) < self.cfg.step_tokens and shape not in self._seen and shape not in self._pending
-        )
-        self._pending.add(shape)
         if first_verify or first_draft or first_of_shape:
             # The first timings replace the prior at once; a shape's first timing is folded in at
             # the next plan too, so a batch resting at a new size probes each width once, not at
@@ -1300,4 +1299,3 @@ class SpeculationController:
                 x = (1.0, model_steps, model_steps * float(model_rows), float(caught_up))
                 self.draft_fit.add(x, min(draft_seconds, limit))
         self._timings.clear()
-        self._pending.clear()
