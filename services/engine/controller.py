@@ -77,13 +77,12 @@ class CostModel:
         object.__setattr__(self, "_solo", solo)
 
     def verify(self, rows: int, width: int, keys: int = 0) -> float:
-        return (
-            self.v0
-            + self.v_row * rows
-            + self.v_token * rows * (width + 1)
-            + self.v_key * keys
-            + self.extra(rows * (width + 1))
-        )
+        return self.verify_tokens(rows, rows * (width + 1), keys)
+
+    def verify_tokens(self, rows: int, tokens: int, keys: int = 0) -> float:
+        """Verification of ``tokens`` tokens in ``rows`` rows: a padded round verifies rows * (width + 1);
+        a forward that skips padding (CausalLM.skips_padding) only the rows' own."""
+        return self.v0 + self.v_row * rows + self.v_token * tokens + self.v_key * keys + self.extra(tokens)
 
     def extra(self, tokens: int) -> float:
         t = self._steps
@@ -524,6 +523,15 @@ class ControllerConfig:
     # Rounds between refits of the cost model: it moves slowly, and a refit (two small solves) is a
     # noticeable share of a few-millisecond round.
     refit_every: int = 16
+    # At a batch, a round of at least surprise_seconds that took more than this factor over or
+    # under what the cost model in use priced it at makes the next plan refit. Until the periodic
+    # refit a bad price otherwise stands for up to refit_every plans: 32 real-pair rows (in
+    # process, greedy code) priced two draft steps at ~0 ms after two timings dominated by
+    # catching the rows up, ran 2 s rounds priced at 1.2-1.6 s for the next seven plans, and lost
+    # 14-16% to plain decoding. Shorter rounds are left out: a refit costs 0.15 ms or more, and a
+    # round of a few milliseconds jitters by more than this factor.
+    surprise_factor: float = 1.25
+    surprise_seconds: float = 0.02
     global_refresh_every: int = 4  # rounds between recomputations of the engine-wide rates
     # The staircase (CostModel.by_tokens): per count of verified tokens below step_tokens, the mean
     # deviation of the rounds from the current line, decayed per observation of that count (a
@@ -877,8 +885,8 @@ class SpeculationController:
         self._cost_age = 0
         self._stale = False  # refit at the next use (the first timings)
         # Timings since the last refit, folded into the fits then: (rows, width, keys, verify
-        # seconds, model steps, model rows, draft seconds, tokens caught up).
-        self._timings: list[tuple[int, int, int, float, int, int, float, int]] = []
+        # seconds, model steps, model rows, draft seconds, tokens caught up, tokens verified).
+        self._timings: list[tuple[int, int, int, float, int, int, float, int, int]] = []
         self._draft_timed = False  # whether any round has timed the draft model
         self._timed_round = 0  # rounds timed so far
         self._dormant = 0  # rounds left to run plain without planning (see dormant())
@@ -1241,10 +1249,14 @@ class SpeculationController:
         draft_seconds: float,
         keys: int = 0,
         caught_up: int = 0,
+        tokens: int | None = None,
     ) -> None:
-        """One round's timings: verification of ``rows`` x ``width + 1`` tokens over ``keys`` tokens
-        of context (and the emit that follows), and ``model_steps`` draft-model steps for
-        ``model_rows`` rows (0 if unused) after feeding them ``caught_up`` tokens of catch-up."""
+        """One round's timings: verification of ``rows`` rows at ``width`` over ``keys`` tokens of
+        context (and the emit that follows), and ``model_steps`` draft-model steps for
+        ``model_rows`` rows (0 if unused) after feeding them ``caught_up`` tokens of catch-up.
+        ``tokens``: the tokens the forward computed (default ``rows * (width + 1)``; fewer where it
+        skips the padding of rows that verify fewer guesses than the width). The fit is of those,
+        so a plan pricing every row at the full width prices an upper bound of such a round."""
         self.cost_model()  # refits first if due: every timing waiting to be folded in is priced by one model
         first_verify = self._timed_round == 0
         drafted = model_steps > 0 and model_rows > 0
@@ -1252,8 +1264,27 @@ class SpeculationController:
         self._timed_round += 1
         self._draft_timed = self._draft_timed or drafted
         first_of_shape = self._new_shape(rows, width)
+        verified = rows * (width + 1) if tokens is None else tokens
+        took = verify_seconds + (draft_seconds if drafted else 0.0)
+        if rows > 1 and took >= self.cfg.surprise_seconds and not self._stale and self._cost is not None:
+            c = self._cost
+            priced = c.verify_tokens(rows, verified, keys) + (
+                c.draft(model_steps, model_rows, caught_up) if drafted else 0.0
+            )
+            factor = self.cfg.surprise_factor
+            self._stale = took > factor * priced or took * factor < priced
         self._timings.append(
-            (rows, width, keys, verify_seconds, model_steps if drafted else 0, model_rows, draft_seconds, caught_up)
+            (
+                rows,
+                width,
+                keys,
+                verify_seconds,
+                model_steps if drafted else 0,
+                model_rows,
+                draft_seconds,
+                caught_up,
+                verified,
+            )
         )
         self._cost_age += 1
         if first_verify or first_draft or first_of_shape:
@@ -1269,19 +1300,26 @@ class SpeculationController:
         times what it costs here)."""
         cfg, c = self.cfg, self._cost
         first = self._timed_round - len(self._timings)  # rounds timed before these
-        for i, (rows, width, keys, verify_seconds, model_steps, model_rows, draft_seconds, caught_up) in enumerate(
-            self._timings, start=first
-        ):
+        for i, (
+            rows,
+            width,
+            keys,
+            verify_seconds,
+            model_steps,
+            model_rows,
+            draft_seconds,
+            caught_up,
+            tokens,
+        ) in enumerate(self._timings, start=first):
             timed_verify = i > 0
-            predicted = c.verify(rows, width, keys)
+            predicted = c.verify_tokens(rows, tokens, keys)
             # A round far slower than predicted (another process took the core) is clipped, not trusted.
             limit = cfg.outlier_factor * predicted if timed_verify else float("inf")
             y = min(verify_seconds, limit)
             self.verify_fit.decay(cfg.cost_decay)
             self.draft_fit.decay(cfg.cost_decay)
-            features = (1.0, rows, rows * (width + 1.0), float(keys))
+            features = (1.0, rows, float(tokens), float(keys))
             self.verify_fit.add(features, y)
-            tokens = rows * (width + 1)
             if timed_verify and tokens < cfg.step_tokens:
                 decay = cfg.step_decay
                 self._step_y[tokens] = self._step_y[tokens] * decay + y

@@ -359,7 +359,10 @@ class Engine:
         K = guesses.shape[1]
         last = to_device([[s.tokens[-1]] for s in seqs], self.device)
         inputs = torch.cat([last, guesses.clamp_min(0)], dim=1)  # [B, K+1], stays on the device
-        layout = self.cache.layout([s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device)
+        verified = self._verified_per_row(guesses) if K > 0 and self.target.skips_padding else None
+        layout = self.cache.layout(
+            [s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs], K + 1, self.device, verified
+        )
         logits = self.target.forward(inputs, self.cache, layout, "all")  # [B, K+1, V]
         self.rounds += 1
         token_ids, num_emitted = self._verify(seqs, logits, guesses, q, from_model, sampling)
@@ -370,7 +373,8 @@ class Engine:
         for seq, row, d, k in zip(seqs, host, drafted, ks):
             outputs.append(self._emit(seq, row[: row[-2]], proposed=row[-1], drafter=d, k=k))
         if planned:
-            self._observe(seqs, host, drafted, K, model_work, time.perf_counter() - t_round + between, keys)
+            tokens = sum(verified) if verified is not None else len(seqs) * (K + 1)
+            self._observe(seqs, host, drafted, K, tokens, model_work, time.perf_counter() - t_round + between, keys)
         if any(s.decoding for s in self.running.values()):
             self._decoding_since = time.perf_counter()
         return outputs
@@ -622,13 +626,15 @@ class Engine:
         host: list[list[int]],
         drafted: list[int],
         width: int,
+        tokens: int,
         model_work,
         seconds: float,
         keys: int,
     ) -> None:
         """Feed the controller what this round did: per row who guessed, how many, how many passed;
         and the round's timings (``seconds``: the whole round, and the caller's work since the
-        last one; what the proposal took is the draft's, the rest is priced as verification)."""
+        last one; what the proposal took is the draft's, the rest is priced as verification of
+        ``tokens`` tokens)."""
         rows = []
         for seq, row, d in zip(seqs, host, drafted):
             proposed, emitted = row[-1], row[-2]
@@ -644,7 +650,7 @@ class Engine:
         self.controller.observe_rows(rows)
         steps, model_rows, model_seconds, caught_up = model_work
         self.controller.observe_costs(
-            len(seqs), width, seconds - model_seconds, steps, model_rows, model_seconds, keys, caught_up
+            len(seqs), width, seconds - model_seconds, steps, model_rows, model_seconds, keys, caught_up, tokens
         )
 
     def _propose(
@@ -716,6 +722,14 @@ class Engine:
             return guesses, q, drafted, (0, 0, model_seconds, 0)
         steps = max(ks[i] for i in model_idx)
         return guesses, q, drafted, (steps, len(model_idx), model_seconds, model_prop.caught_up)
+
+    def _verified_per_row(self, guesses: torch.Tensor) -> list[int] | None:
+        """Tokens each row of a round verifies, its last token and the guesses before its first -1
+        (nothing past that is read: the verifier stops at a guess of -1), or None where every row
+        fills the round's width. Asked only of a forward that skips padding (a CPU one: the count
+        is read on the host)."""
+        verified = ((guesses >= 0).cumprod(dim=1).sum(dim=1) + 1).tolist()
+        return verified if min(verified) < guesses.shape[1] + 1 else None
 
     def _draft_may_guess(self, seq: _Seq) -> bool:
         """Whether the draft model is asked for this row's guesses (planned and proposed alike): not

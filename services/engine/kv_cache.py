@@ -353,11 +353,19 @@ class BlockTable(SlotAllocator):
     def _new_blocks(self, blocks: list[int]) -> None:
         """Hook for storage: blocks just handed out."""
 
-    def layout(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu"):
-        """The :class:`~specd.services.engine.model.BatchLayout` of a batch over this cache."""
+    def layout(
+        self,
+        slots: list[int],
+        starts: list[int],
+        T: int,
+        device: torch.device | str = "cpu",
+        lengths: list[int] | None = None,
+    ):
+        """The :class:`~specd.services.engine.model.BatchLayout` of a batch over this cache (``lengths``:
+        the tokens each row really holds, see BatchLayout)."""
         from specd.services.engine.model import BatchLayout
 
-        return BatchLayout(slots, starts, T, device)
+        return BatchLayout(slots, starts, T, device, lengths)
 
 
 class PagedKVCache(BlockTable):
@@ -402,7 +410,14 @@ class PagedKVCache(BlockTable):
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
 
-    def layout(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu"):
+    def layout(
+        self,
+        slots: list[int],
+        starts: list[int],
+        T: int,
+        device: torch.device | str = "cpu",
+        lengths: list[int] | None = None,
+    ):
         from specd.services.engine.model import PagedLayout
 
-        return PagedLayout(slots, starts, T, self.table[slots], self.block_size, device)
+        return PagedLayout(slots, starts, T, self.table[slots], self.block_size, device, lengths)

@@ -311,6 +311,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+_NO_LENGTHS = torch.empty(0, dtype=torch.long)  # the fused forward's "every row holds T tokens"
+
+
 class LlamaLM:
     """A Llama-family causal LM with the ``CausalLM`` interface of :mod:`specd.services.engine.model`.
 
@@ -498,7 +501,8 @@ class LlamaLM:
             v = cache.v.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)
         starts = torch.tensor(layout.starts, dtype=torch.long)
         mode = {"none": 0, "last": 1, "all": 2}[logits_for]
-        return self.fused.forward(input_ids, starts, table, block_size, k, v, mode)
+        lengths = _NO_LENGTHS if layout.lengths is None else torch.tensor(layout.lengths, dtype=torch.long)
+        return self.fused.forward(input_ids, starts, table, block_size, k, v, mode, lengths)
 
     # ------------------------------------------------------------------------------ cache
 
@@ -528,6 +532,12 @@ class LlamaLM:
         """K and V bytes of one position in this model's (or this rank's) cache."""
         s = self.shape
         return kv_bytes(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+
+    @property
+    def skips_padding(self) -> bool:
+        """Whether forward computes only each row's ``layout.lengths`` tokens: the fused forward does;
+        the per-op one runs the padding too (see CausalLM.skips_padding)."""
+        return self.fused is not None
 
     # ---------------------------------------------------------------------------- forward
 

@@ -49,8 +49,21 @@ class BatchLayout:
     are made when first asked for: the fused CPU forward reads only the host lists.
     """
 
-    def __init__(self, slots: list[int], starts: list[int], T: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        slots: list[int],
+        starts: list[int],
+        T: int,
+        device: torch.device | str = "cpu",
+        lengths: list[int] | None = None,
+    ) -> None:
         self.slots, self.starts, self.T, self.device = slots, starts, T, device
+        # Tokens each row really holds (1..T; None: all T). Past them a row is padding, which a
+        # forward may skip (the fused CPU forward does: a round then costs the tokens it verifies)
+        # or compute (its K/V lands past the row's tokens, where later writes replace it before
+        # anything attends to it). Callers read no logits past a row's tokens, so set it for
+        # logits_for "all" or "none" only: "last" means position T - 1 on the per-op paths.
+        self.lengths = lengths
         self.S = max(starts) + T  # keys attended: the cache prefix up to the furthest row
         self._contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
 
@@ -106,8 +119,9 @@ class PagedLayout(BatchLayout):
         table: torch.Tensor,
         block_size: int,
         device: torch.device | str = "cpu",
+        lengths: list[int] | None = None,
     ) -> None:
-        super().__init__(slots, starts, T, device)
+        super().__init__(slots, starts, T, device, lengths)
         self.table, self.block_size = table, block_size
 
     @functools.cached_property
@@ -158,6 +172,12 @@ class CausalLM(Protocol):
 
     @property
     def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def skips_padding(self) -> bool:
+        """Whether forward computes only each row's ``layout.lengths`` tokens (a round's cost follows
+        the tokens it verifies), rather than every row's T."""
+        ...
 
     def forward(
         self, input_ids: torch.Tensor, cache: SlotAllocator, layout: BatchLayout, logits_for: str = "all"
@@ -226,6 +246,10 @@ class HFCausalLM:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         return kv_bytes(cfg.num_hidden_layers, kv_heads, head_dim, self.model.dtype)
+
+    @property
+    def skips_padding(self) -> bool:
+        return False  # each row runs T tokens (see CausalLM.skips_padding)
 
     @torch.inference_mode()
     def forward(

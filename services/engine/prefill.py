@@ -68,5 +68,8 @@ def prefill_pass(model, cache, rows: Sequence[PrefillRow]) -> None:
     inp = torch.zeros((len(rows), T), dtype=torch.long)
     for i, r in enumerate(rows):
         inp[i, : len(r.ids)] = torch.as_tensor(r.ids, dtype=torch.long)
-    layout = cache.layout([r.slot for r in rows], [r.start for r in rows], T, model.device)
+    lengths = [len(r.ids) for r in rows]
+    layout = cache.layout(
+        [r.slot for r in rows], [r.start for r in rows], T, model.device, lengths if min(lengths) < T else None
+    )
     model.forward(to_device(inp, model.device), cache, layout, "none")

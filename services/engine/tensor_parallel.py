@@ -281,6 +281,10 @@ class TensorParallelLM:
         the service buys the same number of blocks on every rank."""
         return self.local.kv_bytes_per_token * self.group.world
 
+    @property
+    def skips_padding(self) -> bool:
+        return False  # the ranks run the per-op forward, padding and all (see CausalLM.skips_padding)
+
     def forward(
         self, input_ids: torch.Tensor, cache: KVCache | PagedKVCache, layout: BatchLayout, logits_for: str = "all"
     ) -> torch.Tensor | None:

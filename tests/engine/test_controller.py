@@ -380,6 +380,51 @@ def test_the_cost_fit_learns_the_price_of_catching_up() -> None:
     assert cost.draft(3, 16) == pytest.approx(d0 + 3 * 16 * d_step_row, rel=0.15)
 
 
+def test_the_cost_fit_prices_the_tokens_a_packed_round_verifies() -> None:
+    """Where the forward skips padding (rows verifying fewer guesses than the width), the round's
+    timing is fitted against the tokens it computed, not rows x (width + 1): the fit recovers the
+    per-token price, and a plan pricing every row at the full width prices an upper bound."""
+    ctl = SpeculationController(_NO_EXPLORATION)
+    rng = np.random.default_rng(1)
+    v0, v_token = 5e-3, 1e-3
+    for _ in range(300):
+        rows, width = int(rng.integers(2, 16)), int(rng.integers(0, 5))
+        # One row verifies the width, the others anywhere from none to all of it.
+        guesses = [width] + [int(g) for g in rng.integers(0, width + 1, rows - 1)]
+        tokens = sum(g + 1 for g in guesses)
+        ctl.observe_costs(rows, width, v0 + v_token * tokens, 0, 0, 0.0, 0, 0, tokens)
+    cost = ctl.cost_model()
+    assert cost.v_token == pytest.approx(v_token, rel=0.05)
+    assert cost.verify_tokens(8, 12) == pytest.approx(v0 + 12 * v_token, rel=0.05)
+    assert cost.verify(8, 3) == pytest.approx(v0 + 32 * v_token, rel=0.05)
+
+
+def test_a_batch_round_far_off_its_price_refits_the_cost_model_at_the_next_plan() -> None:
+    """A round of a batch that took more than surprise_factor over (or under) its price makes the
+    next plan refit, not the periodic refit up to refit_every rounds later; rounds shorter than
+    surprise_seconds and a batch of one do not (their jitter would refit every few rounds)."""
+
+    def settled(rows: int, seconds: float) -> tuple[SpeculationController, object]:
+        ctl = SpeculationController(_NO_EXPLORATION)
+        for _ in range(20):
+            ctl.observe_costs(rows, 0, seconds, 0, 0, 0.0)
+        return ctl, ctl.cost_model()
+
+    ctl, model = settled(8, 0.1)
+    ctl.observe_costs(8, 0, 0.11, 0, 0, 0.0)  # within the factor: the same prices
+    assert ctl.cost_model() is model
+    ctl.observe_costs(8, 0, 0.2, 0, 0, 0.0)
+    refitted = ctl.cost_model()
+    assert refitted is not model and refitted.verify(8, 0) > model.verify(8, 0)
+    ctl, model = settled(8, 0.1)
+    ctl.observe_costs(8, 0, 0.05, 0, 0, 0.0)  # far under its price: refitted too
+    assert ctl.cost_model() is not model
+    for rows, seconds in ((8, 5e-3), (1, 0.1)):
+        ctl, model = settled(rows, seconds)
+        ctl.observe_costs(rows, 0, 2 * seconds, 0, 0, 0.0)
+        assert ctl.cost_model() is model, (rows, seconds)
+
+
 def test_a_dropped_drafter_is_tried_again() -> None:
     """Estimates decay toward the engine-wide rate, which decays toward the prior: a sequence that
     stopped drafting after a bad stretch starts again once nothing holds its estimate down."""

@@ -79,6 +79,44 @@ def test_fused_forward_is_batch_invariant(quantize: str | None) -> None:
             assert torch.equal(one[0, 0], batched[row, t])
 
 
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_rows_of_different_lengths_are_packed_bit_for_bit(quantize: str | None) -> None:
+    """A pass whose rows hold different numbers of tokens (``BatchLayout.lengths``: a prefill of
+    prompts of several lengths, a round whose rows verify different numbers of guesses) computes
+    only those tokens, and each row's logits are bit for bit the padded pass's at its own tokens,
+    zeros past them; ``"last"`` takes each row's last real token."""
+    model = _model("qwen2", {"num_key_value_heads": 2}, torch.bfloat16, quantize=quantize)
+    assert model.skips_padding
+    g = torch.Generator().manual_seed(5)
+    prompts, steps = torch.randint(0, 300, (3, 40), generator=g), torch.randint(0, 300, (3, 5), generator=g)
+    slots, prompt_lengths, step_lengths = [0, 2, 3], [40, 7, 33], [5, 1, 3]  # across 32-row attention chunks
+
+    def run(packed: bool, logits_for: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = model.new_paged_cache(4, 64, 8, 128)
+        for slot in slots:
+            cache.reserve(slot, 96)
+        lengths = prompt_lengths if packed else None
+        prefill = model.forward(prompts, cache, cache.layout(slots, [0, 0, 0], 40, lengths=lengths), "all")
+        lengths = step_lengths if packed else None
+        out = model.forward(steps, cache, cache.layout(slots, prompt_lengths, 5, lengths=lengths), logits_for)
+        return prefill, out
+
+    padded_prefill, padded = run(False, "all")
+    packed_prefill, packed = run(True, "all")
+    for row, (n_prompt, n_step) in enumerate(zip(prompt_lengths, step_lengths)):
+        assert torch.equal(packed_prefill[row, :n_prompt], padded_prefill[row, :n_prompt])
+        assert torch.equal(packed[row, :n_step], padded[row, :n_step])
+        assert not packed_prefill[row, n_prompt:].any() and not packed[row, n_step:].any()
+    _, last = run(True, "last")
+    assert last.shape == (3, 1, 300)
+    for row, n_step in enumerate(step_lengths):
+        assert torch.equal(last[row, 0], padded[row, n_step - 1])
+    cache = model.new_paged_cache(4, 64, 8, 128)
+    cache.reserve(0, 96)
+    with pytest.raises(RuntimeError, match="holds 0 tokens"):
+        model.forward(steps[:1], cache, cache.layout([0], [0], 5, lengths=[0]), "all")
+
+
 # (query heads, KV heads, head size): every way attention's output accumulators are laid out
 # (decoder.cpp, FusedDecoder::weigh: heads per KV head 1-8 and past 8, 1-8 vectors of a head per
 # pass), the demo models' (G 1, D 64 and 32) and the real pair's G (6 and 7) among them.

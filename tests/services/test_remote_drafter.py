@@ -291,9 +291,9 @@ def test_rounds_that_make_the_draft_prefill_do_not_price_its_guesses(
     seen: list[tuple[int, int, int]] = []  # per timed round: model steps, model rows, tokens caught up
     observe = engine.controller.observe_costs
 
-    def record(rows, width, verify_seconds, model_steps, model_rows, draft_seconds, keys, caught_up) -> None:
+    def record(rows, width, verify_seconds, model_steps, model_rows, draft_seconds, keys, caught_up, tokens) -> None:
         seen.append((model_steps, model_rows, caught_up))
-        observe(rows, width, verify_seconds, model_steps, model_rows, draft_seconds, keys, caught_up)
+        observe(rows, width, verify_seconds, model_steps, model_rows, draft_seconds, keys, caught_up, tokens)
 
     engine.controller.observe_costs = record
     try:

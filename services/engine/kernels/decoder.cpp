@@ -229,12 +229,31 @@ class FusedDecoder : public torch::CustomClassHolder {
   // cache blocks); block_size positions per block; k_cache, v_cache bf16 [layers, rows, Hkv, D] where
   // position p of batch row b lives at cache row table[b, p / block_size] * block_size + p % block_size.
   // logits: 0 none (prefill), 1 last position of each row [B, 1, V], 2 all [B, T, V] (fp32).
+  // lengths: empty (every row holds T tokens) or int64 [B] in 1..T: row b holds its first lengths[b]
+  // tokens and the rest is padding, neither computed nor stored in the cache; its logits are zeros
+  // ("last" takes each row's last real token). A round whose rows verify different numbers of
+  // guesses then costs the tokens it verifies, not B times the widest row's.
   c10::optional<at::Tensor> forward(const at::Tensor& ids, const at::Tensor& starts, const at::Tensor& table,
                                     int64_t block_size, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                    int64_t logits) {
+                                    int64_t logits, const at::Tensor& lengths) {
     TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, "ids must be int64 [B, T]");
-    const int64_t B = ids.size(0), T = ids.size(1), R = B * T, W = table.size(1);
+    const int64_t B = ids.size(0), T = ids.size(1), W = table.size(1);
     TORCH_CHECK(starts.numel() == B && table.size(0) == B && table.scalar_type() == at::kLong);
+    TORCH_CHECK(lengths.numel() == 0 || (lengths.numel() == B && lengths.scalar_type() == at::kLong),
+                "lengths must be empty or int64 [B]");
+    // Packed rows: row b's tokens are rows off[b] .. off[b + 1] - 1 of every activation buffer.
+    std::vector<int64_t> off(B + 1, 0);
+    {
+      const at::Tensor len_c = lengths.contiguous();
+      const int64_t* lp = lengths.numel() ? len_c.data_ptr<int64_t>() : nullptr;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t n = lp ? lp[b] : T;
+        TORCH_CHECK(n >= 1 && n <= T, "row ", b, " holds ", n, " tokens, not 1..", T);
+        off[b + 1] = off[b] + n;
+      }
+    }
+    const int64_t R = off[B];
+    const bool padded = R < B * T;
     TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
                     k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == L_ &&
                     k_cache.size(2) == Hkv_ && k_cache.size(3) == D_,
@@ -250,17 +269,20 @@ class FusedDecoder : public torch::CustomClassHolder {
     const int64_t half = D_ / 2;
     std::vector<float> cs(R * half), sn(R * half);
     const float* inv = inv_freq_.data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t b = r / T, p = sp[b] + r % T;
-      pos[r] = p;
-      crow[r] = cache_row(tp + b * W, W, block_size, p);
-      TORCH_CHECK(crow[r] >= 0 && crow[r] < cache_rows, "position ", p, " maps outside the cache");
-      for (int64_t i = 0; i < half; ++i) {
-        const float f = static_cast<float>(p) * inv[i];
-        cs[r * half + i] = std::cos(f) * rope_scaling_;
-        sn[r * half + i] = std::sin(f) * rope_scaling_;
+    std::vector<int64_t> token(R);  // each packed row's index into ids [B * T]
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t r = off[b]; r < off[b + 1]; ++r) {
+        const int64_t t = r - off[b], p = sp[b] + t;
+        token[r] = b * T + t;
+        pos[r] = p;
+        crow[r] = cache_row(tp + b * W, W, block_size, p);
+        TORCH_CHECK(crow[r] >= 0 && crow[r] < cache_rows, "position ", p, " maps outside the cache");
+        for (int64_t i = 0; i < half; ++i) {
+          const float f = static_cast<float>(p) * inv[i];
+          cs[r * half + i] = std::cos(f) * rope_scaling_;
+          sn[r * half + i] = std::sin(f) * rope_scaling_;
+        }
       }
-    }
 
     const int64_t QKV = (H_ + 2 * Hkv_) * D_;
     std::vector<float> x(R * d_), h(R * d_), qkv(R * QKV), attn(R * H_ * D_), tmp(R * std::max(d_, 2 * F_)),
@@ -268,8 +290,9 @@ class FusedDecoder : public torch::CustomClassHolder {
     const uint16_t* emb = reinterpret_cast<const uint16_t*>(embed_.data_ptr<at::BFloat16>());
     const int64_t V = embed_.size(0);
     for (int64_t r = 0; r < R; ++r) {
-      TORCH_CHECK(idp[r] >= 0 && idp[r] < V, "token id ", idp[r], " outside the vocabulary");
-      for (int64_t i = 0; i < d_; ++i) x[r * d_ + i] = specd::bf16_to_float(emb[idp[r] * d_ + i]);
+      const int64_t id = idp[token[r]];
+      TORCH_CHECK(id >= 0 && id < V, "token id ", id, " outside the vocabulary");
+      for (int64_t i = 0; i < d_; ++i) x[r * d_ + i] = specd::bf16_to_float(emb[id * d_ + i]);
     }
 
     auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
@@ -280,7 +303,7 @@ class FusedDecoder : public torch::CustomClassHolder {
       rms_norm(x.data(), ly.attn_norm.data_ptr<float>(), h.data(), R);
       ly.qkv.apply(h.data(), R, qkv.data(), QKV);
       rope_and_store(qkv.data(), cs.data(), sn.data(), crow.data(), R, kc + l * layer_stride, vc + l * layer_stride);
-      attention(qkv.data(), pos.data(), tp, W, block_size, T, R, kc + l * layer_stride, vc + l * layer_stride,
+      attention(qkv.data(), pos.data(), tp, W, block_size, T, off, kc + l * layer_stride, vc + l * layer_stride,
                 attn.data());
       ly.o.apply(attn.data(), R, tmp.data(), d_);
       add_into(x.data(), tmp.data(), R * d_);
@@ -291,16 +314,35 @@ class FusedDecoder : public torch::CustomClassHolder {
       add_into(x.data(), tmp.data(), R * d_);
     }
     if (logits == 0) return c10::nullopt;
-    const int64_t Tout = logits == 1 ? 1 : T;
-    std::vector<float> rows(B * Tout * d_);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < Tout; ++t) {
-        const int64_t r = b * T + (logits == 1 ? T - 1 : t);
-        std::memcpy(rows.data() + (b * Tout + t) * d_, x.data() + r * d_, 4 * d_);
+    const int64_t N = head_.N;
+    if (logits == 1) {
+      std::vector<float> rows(B * d_);
+      for (int64_t b = 0; b < B; ++b) std::memcpy(rows.data() + b * d_, x.data() + (off[b + 1] - 1) * d_, 4 * d_);
+      rms_norm(rows.data(), final_norm_.data_ptr<float>(), h.data(), B);
+      at::Tensor out = at::empty({B, 1, N}, at::kFloat);
+      head_.apply(h.data(), B, out.data_ptr<float>(), N);
+      return out;
+    }
+    rms_norm(x.data(), final_norm_.data_ptr<float>(), h.data(), R);
+    at::Tensor out = at::empty({B, T, N}, at::kFloat);
+    if (!padded) {
+      head_.apply(h.data(), R, out.data_ptr<float>(), N);
+      return out;
+    }
+    // The head over the packed rows at once (its weights read once), then each row's logits moved to
+    // its place in [B, T, V] and the padding zeroed: the verifier reads every position, and never
+    // past a row's guesses, but uninitialised memory could hold NaN.
+    at::Tensor packed = at::empty({R, N}, at::kFloat);
+    head_.apply(h.data(), R, packed.data_ptr<float>(), N);
+    const float* src = packed.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n = off[b + 1] - off[b];
+        std::memcpy(dst + b * T * N, src + off[b] * N, 4 * n * N);
+        std::memset(dst + (b * T + n) * N, 0, 4 * (T - n) * N);
       }
-    rms_norm(rows.data(), final_norm_.data_ptr<float>(), h.data(), B * Tout);
-    at::Tensor out = at::empty({B, Tout, head_.N}, at::kFloat);
-    head_.apply(h.data(), B * Tout, out.data_ptr<float>(), head_.N);
+    });
     return out;
   }
 
@@ -352,16 +394,18 @@ class FusedDecoder : public torch::CustomClassHolder {
   // row reads K and V straight from the bf16 cache; several rows (verification, prefill) first widen
   // the positions they share to fp32 once. Widening is exact, and each row's dot products, softmax and
   // weighted sum run in the same order either way, so the result is the same bit for bit.
+  // Batch row b's tokens are packed rows off[b] .. off[b + 1] - 1 (at most T of them).
   void attention(const float* qkv, const int64_t* pos, const int64_t* table, int64_t W, int64_t bs, int64_t T,
-                 int64_t R, const uint16_t* kc, const uint16_t* vc, float* out) const {
+                 const std::vector<int64_t>& off, const uint16_t* kc, const uint16_t* vc, float* out) const {
     const int64_t G = H_ / Hkv_, chunks = (T + 31) / 32;
-    const int64_t B = R / T;
+    const int64_t B = static_cast<int64_t>(off.size()) - 1;
     at::parallel_for(0, B * Hkv_ * chunks, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores, kbuf, vbuf;
       std::vector<int64_t> rows;
       for (int64_t item = i0; item < i1; ++item) {
         const int64_t b = item / (Hkv_ * chunks), g = item / chunks % Hkv_, c = item % chunks;
-        const int64_t r0 = b * T + 32 * c, r1 = std::min(b * T + T, r0 + 32);
+        const int64_t r0 = off[b] + 32 * c, r1 = std::min(off[b + 1], r0 + 32);
+        if (r0 >= r1) continue;  // a chunk past a short row's tokens
         const int64_t n_max = pos[r1 - 1] + 1;
         rows.resize(n_max);
         for (int64_t j = 0; j < n_max; ++j) rows[j] = cache_row(table + b * W, W, bs, j);
