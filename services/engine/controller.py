@@ -10,7 +10,7 @@ Two halves:
   sequence, drafter and position, started from the engine-wide rate; an online cost model fitted
   to the rounds' own timings) and adds the exploration that keeps them honest.
 
-The round's cost, as the engine runs it. The target verifies a dense ``[B, W+1]`` block (W = the
+The round's cost, as the planner prices it. The target verifies a dense ``[B, W+1]`` block (W = the
 widest block of the round; shorter rows are padded), so verification costs
 ``v0 + vB * B + vN * B * (W + 1) + vK * keys``: the verified tokens are one budget shared by the
 batch, and a guess inside the width is free. ``keys`` is the round's context, the cached tokens its
@@ -23,7 +23,9 @@ rounds (a row the draft has never seen brings its whole context). Without ``dC``
 back to the model after speculation was off looks free, and under load a controller that switches
 rows on and off pays for catching them up every time. n-gram lookups are (nearly) free. On a GPU at
 small batch ``vN`` is ~0 (memory-bound) and k goes up; at large batch, or on a CPU, ``vN * B``
-dominates and k falls, down to 0 where a guess costs more than it is expected to yield.
+dominates and k falls, down to 0 where a guess costs more than it is expected to yield. A target
+that skips the padding (``CausalLM.skips_padding``: the fused CPU forward) computes only each row's
+own tokens; the fit is of the tokens a round computed, so there this price is an upper bound.
 
 Losslessness: the decision uses only what happened in earlier rounds, never the current round's
 random draws, so the verified output follows the target's law whatever k is (the rejection rule is
