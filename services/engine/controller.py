@@ -1268,11 +1268,9 @@ class SpeculationController:
         first_of_shape = self._new_shape(rows, width)
         verified = rows * (width + 1) if tokens is None else tokens
         took = verify_seconds + (draft_seconds if drafted else 0.0)
-        if rows > 1 and took >= self.cfg.surprise_seconds and not self._stale and self._cost is not None:
-            c = self._cost
-            priced = c.verify_tokens(rows, verified, keys) + (
-                c.draft(model_steps, model_rows, caught_up) if drafted else 0.0
-            )
+        if rows > 1 and took >= self.cfg.surprise_seconds and not self._stale:
+            c = self._cost  # the model the round was planned with (cost_model() above set it)
+            priced = c.verify_tokens(rows, verified, keys) + c.draft(model_steps, model_rows, caught_up)
             factor = self.cfg.surprise_factor
             self._stale = took > factor * priced or took * factor < priced
         self._timings.append(

@@ -454,8 +454,7 @@ class ModelDrafter:
         inp = torch.zeros((B, M), dtype=torch.long)
         for i, p in enumerate(pending):
             inp[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        lengths = [len(p) for p in pending]
-        layout = self.cache.layout(slots, starts, M, device, lengths if min(lengths) < M else None)
+        layout = self.cache.layout(slots, starts, M, device, [len(p) for p in pending])
         logits = self.model.forward(to_device(inp, device), self.cache, layout, "all")  # [B, M, V]
         last_idx = to_device([len(p) - 1 for p in pending], device)
         return logits[torch.arange(B, device=device), last_idx].unsqueeze(1)

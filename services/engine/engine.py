@@ -723,13 +723,11 @@ class Engine:
         steps = max(ks[i] for i in model_idx)
         return guesses, q, drafted, (steps, len(model_idx), model_seconds, model_prop.caught_up)
 
-    def _verified_per_row(self, guesses: torch.Tensor) -> list[int] | None:
+    def _verified_per_row(self, guesses: torch.Tensor) -> list[int]:
         """Tokens each row of a round verifies, its last token and the guesses before its first -1
-        (nothing past that is read: the verifier stops at a guess of -1), or None where every row
-        fills the round's width. Asked only of a forward that skips padding (a CPU one: the count
-        is read on the host)."""
-        verified = ((guesses >= 0).cumprod(dim=1).sum(dim=1) + 1).tolist()
-        return verified if min(verified) < guesses.shape[1] + 1 else None
+        (nothing past that is read: the verifier stops at a guess of -1). Asked only of a forward
+        that skips padding (a CPU one: the count is read on the host)."""
+        return ((guesses >= 0).cumprod(dim=1).sum(dim=1) + 1).tolist()
 
     def _draft_may_guess(self, seq: _Seq) -> bool:
         """Whether the draft model is asked for this row's guesses (planned and proposed alike): not

@@ -63,7 +63,8 @@ class BatchLayout:
         # or compute (its K/V lands past the row's tokens, where later writes replace it before
         # anything attends to it). Callers read no logits past a row's tokens, so set it for
         # logits_for "all" or "none" only: "last" means position T - 1 on the per-op paths.
-        self.lengths = lengths
+        # Kept only where some row is short, so a forward reads None as "nothing to skip".
+        self.lengths = lengths if lengths is not None and min(lengths) < T else None
         self.S = max(starts) + T  # keys attended: the cache prefix up to the furthest row
         self._contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
 

@@ -69,7 +69,5 @@ def prefill_pass(model, cache, rows: Sequence[PrefillRow]) -> None:
     for i, r in enumerate(rows):
         inp[i, : len(r.ids)] = torch.as_tensor(r.ids, dtype=torch.long)
     lengths = [len(r.ids) for r in rows]
-    layout = cache.layout(
-        [r.slot for r in rows], [r.start for r in rows], T, model.device, lengths if min(lengths) < T else None
-    )
+    layout = cache.layout([r.slot for r in rows], [r.start for r in rows], T, model.device, lengths)
     model.forward(to_device(inp, model.device), cache, layout, "none")
