@@ -25,6 +25,12 @@ FIXED_NUM_TOKENS = 3  # k of the fixed methods by default (the best measured k f
 # it was not asked in, and it catches up first: work a round pays for, which auto prices per token.
 CATCH_UP_TOKENS = 2
 
+# Seconds a draft service's prefill pass may take at its measured speed (DraftWorker.prefill_slice):
+# a round that arrives meanwhile waits for the pass, and a target waits 2 s (--draft-timeout) for its
+# blocks. Passes sized by tokens alone (512) took the real pair's draft 2.9 s: the target gave the
+# draft up, dropped the stream and every sequence the draft had just prefilled on it.
+DRAFT_PREFILL_SLICE_SECONDS = 0.1
+
 
 def default_num_tokens(method: str) -> int:
     """The k a request of ``method`` gets when it names none ("auto": the largest it may choose)."""

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from specd.services.common.config import ServiceConfig
+from specd.services.common.constants import DRAFT_PREFILL_SLICE_SECONDS
 from specd.services.common.drain import DEFAULT_DRAIN_TIMEOUT, Drain
 from specd.services.common.grpc_server import run_server, start_metrics_server
 from specd.services.common.runtime import freeze_startup_heap
@@ -34,6 +35,8 @@ class DraftServerConfig(ServiceConfig):
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     tls: TLSConfig | None = None  # mutual TLS on this server's port
     prefix_caching: bool = True  # prompts reuse the K/V of earlier prompts' common prefixes (ModelDrafter)
+    # Seconds one prefill pass may take (DraftWorker.prefill_slice): a round waits for the pass in flight.
+    prefill_slice: float | None = DRAFT_PREFILL_SLICE_SECONDS
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -173,7 +176,8 @@ def build_worker(cfg: DraftServerConfig) -> tuple[DraftWorker, common_pb2.InfoRe
         max_speculative_tokens=MAX_SPECULATIVE_TOKENS,
         placement=placement_to_pb(Placement.of_this_process(torch.get_num_threads(), str(model.device))),
     )
-    return DraftWorker(drafter, max_len, cfg.support, MAX_SPECULATIVE_TOKENS, cfg.prefill_chunk), info
+    worker = DraftWorker(drafter, max_len, cfg.support, MAX_SPECULATIVE_TOKENS, cfg.prefill_chunk, cfg.prefill_slice)
+    return worker, info
 
 
 def serve(cfg: DraftServerConfig) -> None:

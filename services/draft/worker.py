@@ -7,6 +7,7 @@ No gRPC here: the servicer converts messages to these dataclasses and back. One 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,9 +15,13 @@ import torch
 
 from specd.services.draft.ahead import AheadLane, Claim, Offer
 from specd.services.engine.drafters import DraftRow, ModelDrafter
-from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget
+from specd.services.engine.prefill import DEFAULT_PREFILL_CHUNK, chunk_budget, sliced_budget
 from specd.services.engine.sampling import BatchSampling, SamplingParams
 from specd.services.engine.sparse import to_sparse
+
+# The weight of the past in the measured seconds per prefilled token: a pass or two adapts the
+# slices to a draft that shares its cores with a busy target.
+PREFILL_RATE_DECAY = 0.5
 
 
 class BlockError(enum.Enum):
@@ -77,12 +82,24 @@ class DraftWorker:
     """Runs rounds of open / release / propose for any number of streams on one model."""
 
     def __init__(
-        self, drafter: ModelDrafter, max_len: int, support: int, max_k: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+        self,
+        drafter: ModelDrafter,
+        max_len: int,
+        support: int,
+        max_k: int,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_slice: float | None = None,
     ) -> None:
         """``prefill_chunk``: prompt tokens prefilled per round (chunked prefill), so opening a long
-        prompt delays the other sequences' blocks by one chunk, not by the whole prompt."""
+        prompt delays the other sequences' blocks by one chunk, not by the whole prompt.
+        ``prefill_slice``: seconds a prefill pass may take at the speed this worker measures on
+        its own passes (None: passes are sized by tokens alone). A round that arrives while the
+        draft prefills waits for the pass in flight: sized by tokens alone, a pass of 512 took the
+        real pair's draft 2.9 s on one thread, past the target's round timeout."""
         self.drafter = drafter
         self.prefill_chunk = prefill_chunk
+        self.prefill_slice = prefill_slice
+        self._seconds_per_token: float | None = None  # of prefill passes, decayed (PREFILL_RATE_DECAY)
         # Prompt tokens prefilled since start; a round's share tells the target that its time was
         # not all drafting (DraftBlocks.prefilled_tokens).
         self.prefilled_tokens = 0
@@ -160,9 +177,18 @@ class DraftWorker:
         Targets open sequences when they admit them (services/target/draft_client.py), so the
         prompts are prefilled here while the target prefills and verifies, and a sequence's first
         round finds it ready."""
-        n = self.drafter.prefill(self.prefill_chunk)
+        return self._prefill(self.prefill_chunk) > 0
+
+    def _prefill(self, budget: int) -> int:
+        """One prefill pass of at most ``budget`` tokens, fewer where ``prefill_slice`` bounds its
+        time; timed for the next pass's size. Returns the tokens prefilled."""
+        t0 = time.perf_counter()
+        n = self.drafter.prefill(sliced_budget(budget, self._seconds_per_token, self.prefill_slice))
+        if n > 0:
+            rate, past = (time.perf_counter() - t0) / n, self._seconds_per_token
+            self._seconds_per_token = rate if past is None else past + (1 - PREFILL_RATE_DECAY) * (rate - past)
         self.prefilled_tokens += n
-        return n > 0
+        return n
 
     def open(self, stream: str, seq: OpenSeq) -> BlockError:
         """Start a sequence; BlockError.NONE on success."""
@@ -199,7 +225,7 @@ class DraftWorker:
         lane.round_started(set(keys))
         # Sized like the target's passes: about this round's own work (one step per guess per row).
         decoding = sum(r.k for r, k in zip(reqs, keys) if k in self.states and self.drafter.ready(k))
-        self.prefilled_tokens += self.drafter.prefill(chunk_budget(self.prefill_chunk, decoding))
+        self._prefill(chunk_budget(self.prefill_chunk, decoding))
         for r, k in zip(reqs, keys):
             st = self.states.get(k)
             if st is None:

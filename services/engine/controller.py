@@ -987,7 +987,8 @@ class SpeculationController:
             forced_d,
         )
         keys = sum(r.context for r in rows)
-        catch_up = np.array([r.catch_up for r in rows], dtype=float) / self.cfg.catch_up_rounds
+        full = np.array([r.catch_up for r in rows], dtype=float)
+        catch_up = full / self.cfg.catch_up_rounds
         if (forced_k >= 0).all():  # nothing left to decide (seeded or fixed-method rows only)
             choice = _forced_choice(acc, forced_k, forced_d, args[4], keys, catch_up)
             self.stats.rounds += 1
@@ -997,7 +998,9 @@ class SpeculationController:
             choose_blocks(*args, keys=keys, catch_up=catch_up),
             bool(((args[1] > 0) | args[2]).any()),
             kmax,
-            lambda width_range: choose_blocks(*args, width_range=width_range, keys=keys, catch_up=catch_up),
+            lambda width_range, one_off: choose_blocks(
+                *args, width_range=width_range, keys=keys, catch_up=full if one_off else catch_up
+            ),
             free=bool((forced_k < 0).all()),
             plain=lambda: plain_choice(len(rows), args[4], keys),
         )
@@ -1029,12 +1032,15 @@ class SpeculationController:
         cap = [r.cap for r in rows]
         cost = self.cost_model()
         keys = sum(r.context for r in rows)
-        catch_up = [r.catch_up / self.cfg.catch_up_rounds for r in rows]
+        full = [float(r.catch_up) for r in rows]
+        catch_up = [c / self.cfg.catch_up_rounds for c in full]
         return self._explore_and_count(
             _choose_few(acc, match, model_ok, cap, cost, None, keys, catch_up),
             any(m > 0 or ok for m, ok in zip(match, model_ok)),
             kmax,
-            lambda width_range: _choose_few(acc, match, model_ok, cap, cost, width_range, keys, catch_up),
+            lambda width_range, one_off: _choose_few(
+                acc, match, model_ok, cap, cost, width_range, keys, full if one_off else catch_up
+            ),
             free=True,
             plain=lambda: plain_choice(len(rows), cost, keys),
         )
@@ -1044,13 +1050,20 @@ class SpeculationController:
         choice: Choice,
         can_guess: bool,
         kmax: int,
-        choose_within: Callable[[tuple[int, int]], Choice],
+        choose_within: Callable[[tuple[int, int], bool], Choice],
         free: bool,
         plain: Callable[[], Choice],
     ) -> Choice:
         """A batch's round: ``choice`` (``plain()``, a round without guesses, where guesses do not
         promise ``batch_margin`` more goodput and every row is ``free`` to go without), or now and
-        then the choice within an exploration range (``choose_within``); counted in the stats."""
+        then the choice within an exploration range (``choose_within(range, one_off)``); counted
+        in the stats.
+
+        A trial from a plain choice (a probe of a batch at rest) prices the rows' catch-up on the
+        draft in full (``one_off``): the batch goes back to rest after it, so the catch-up serves
+        that one round, not the catch_up_rounds the plan spreads it over. Spread, a probe at 32
+        real-pair rows in the stack chose the draft for rows 500-600 tokens behind it and took
+        2-2.6 s where a plain round took 0.4 (docs/benchmarks.md)."""
         cfg = self.cfg
         batch = free and len(choice.ks) > 1  # a batch of free rows: the margin and dormancy apply
         if batch and cfg.batch_margin > 0 and choice.width > 0:
@@ -1069,7 +1082,7 @@ class SpeculationController:
             self._dormant, self._rest = 0, cfg.dormant_rounds
         elif (explore := self._exploration_range(choice, can_guess, kmax)) is not None:
             lo, hi, bounded = explore
-            choice = self._explored(choice, choose_within((lo, hi)), bounded)
+            choice = self._explored(choice, choose_within((lo, hi), choice.width == 0), bounded)
         elif choice.width > 0 or not batch:  # no rest, and the next one starts short
             self._dormant, self._rest = 0, cfg.dormant_rounds
         elif can_guess:
@@ -1189,7 +1202,7 @@ class SpeculationController:
         return None
 
     def _resting_probe(
-        self, plain: Choice, choose_within: Callable[[tuple[int, int]], Choice], kmax: int
+        self, plain: Choice, choose_within: Callable[[tuple[int, int], bool], Choice], kmax: int
     ) -> Choice | None:
         """Instead of a rest after ``plain`` (explore_resting): the best round with guesses, where
         rounds of its shape were never timed. A batch at rest plans once per rest and times nothing
@@ -1197,7 +1210,7 @@ class SpeculationController:
         was as good as final."""
         if self.rng.random() >= self.cfg.explore_resting:
             return None
-        trial = choose_within((1, kmax))
+        trial = choose_within((1, kmax), True)
         if trial.width == 0 or self._seen.get((len(trial.ks), trial.width), 0.0) > 0.0:
             return None
         return self._explored(plain, trial, bounded=False)

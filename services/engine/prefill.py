@@ -32,6 +32,17 @@ def chunk_budget(max_chunk: int, decode_tokens: int) -> int:
     return min(max_chunk, max(MIN_PREFILL_CHUNK, decode_tokens))
 
 
+def sliced_budget(budget: int, seconds_per_token: float | None, slice_seconds: float | None) -> int:
+    """``budget`` capped so that the pass takes about ``slice_seconds`` at the measured
+    ``seconds_per_token``, never below MIN_PREFILL_CHUNK; MIN_PREFILL_CHUNK while nothing is measured
+    yet; ``budget`` itself where no slice is set."""
+    if slice_seconds is None:
+        return budget
+    if seconds_per_token is None or seconds_per_token <= 0.0:
+        return min(budget, MIN_PREFILL_CHUNK)
+    return min(budget, max(MIN_PREFILL_CHUNK, int(slice_seconds / seconds_per_token)))
+
+
 @dataclass(frozen=True)
 class PrefillRow:
     """One sequence's piece of a pass: ``ids`` go to positions ``start..start+len(ids)-1`` of ``slot``."""

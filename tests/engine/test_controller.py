@@ -14,6 +14,7 @@ from specd.services.engine import controller as controller_module
 from specd.services.engine.controller import (
     MODEL,
     NGRAM,
+    Choice,
     ControllerConfig,
     CostModel,
     RowPlan,
@@ -935,6 +936,32 @@ def test_a_batch_at_rest_probes_widths_its_rounds_never_timed() -> None:
     assert sum(w > 0 for w in on[500:]) > 0.9 * 500
     losing = _resting_batch(ControllerConfig(), 2000, told, 0.8, told)
     assert sum(w > 0 for w in losing) < 0.02 * len(losing), sum(w > 0 for w in losing)
+
+
+@pytest.mark.parametrize("rows", [8, 32])  # the plain-Python path and the batched one
+@pytest.mark.parametrize("probe", ["explore_resting", "explore_start"])
+def test_a_probe_of_a_batch_at_rest_prices_its_catch_up_in_full(probe: str, rows: int) -> None:
+    """A batch whose plan is plain, probed (a resting probe, or explore_start's width of 1): the
+    probe is one round before the batch rests again, so a row far behind on the draft model pays its
+    whole catch-up there, not the 1 / catch_up_rounds share a plan that keeps drafting spreads. The
+    rows behind stay off the model; rows the draft has caught up are still probed. Spread, as
+    before, the probe drafted every row (500 tokens behind each, at 32 real-pair rows in the stack
+    a probe took 2.6 s where a plain round took 0.4)."""
+    cost = CostModel(v0=5e-3, v_row=0.0, v_token=1e-3, d0=0.5e-3, d_step=0.3e-3, d_step_row=0.02e-3, d_catch=4e-6)
+
+    def plan(behind: list[float], probing: bool = True) -> Choice:
+        ctl = SpeculationController(ControllerConfig(**{**_NO_EXPLORATION_KW, probe: 1.0 if probing else 0.0}))
+        ctl.cost_model = lambda: cost
+        ctl.global_acceptance = lambda greedy: [[0.5] * KMAX, [0.5] * KMAX]
+        batch = [RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True, context=100, catch_up=c) for c in behind]
+        return ctl.plan(batch, KMAX)
+
+    assert plan([0.0] * rows, probing=False).width == 0  # the case is what it says: the plan rests
+    all_behind = plan([500.0] * rows)
+    assert all_behind.width == 0 and all_behind.model_steps == 0, all_behind
+    half = plan([0.0, 500.0] * (rows // 2))
+    assert half.drafters.tolist() == [MODEL, -1] * (rows // 2), half
+    assert half.ks.tolist() == [1, 0] * (rows // 2), half
 
 
 def test_rests_double_while_plans_keep_resting_and_start_short_again() -> None:

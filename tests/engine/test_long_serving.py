@@ -9,7 +9,7 @@ from specd.services.engine.builder import ModelSpec, build_engine
 from specd.services.engine.engine import MAX_SPECULATIVE_TOKENS, Engine, EngineConfig, Request, SpecConfig
 from specd.services.engine.kv_cache import KVCache
 from specd.services.engine.model import BatchLayout, load_model
-from specd.services.engine.prefill import MIN_PREFILL_CHUNK, chunk_budget, plan_chunk
+from specd.services.engine.prefill import MIN_PREFILL_CHUNK, chunk_budget, plan_chunk, sliced_budget
 from specd.services.engine.sampling import SamplingParams
 
 TEXT = (
@@ -53,6 +53,57 @@ def test_chunk_budget_follows_the_decode_round() -> None:
     assert chunk_budget(512, 4) == MIN_PREFILL_CHUNK  # one stream at k = 3
     assert chunk_budget(512, 64) == 64  # 16 streams at k = 3
     assert chunk_budget(32, 64) == 32  # --prefill-chunk caps it
+
+
+def test_sliced_budget_bounds_a_pass_by_its_measured_time() -> None:
+    assert sliced_budget(512, 0.01, None) == 512  # no slice: tokens alone
+    assert sliced_budget(512, None, 0.1) == MIN_PREFILL_CHUNK  # nothing measured yet: the smallest pass
+    assert sliced_budget(512, 0.001, 0.1) == 100  # 0.1 s at 1 ms a token
+    assert sliced_budget(512, 0.01, 0.1) == MIN_PREFILL_CHUNK  # never below the smallest pass
+    assert sliced_budget(64, 1e-5, 0.1) == 64  # nor above the budget
+
+
+def test_a_draft_worker_sizes_its_prefill_passes_by_their_measured_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With prefill_slice set, each pass (between rounds, and within one) takes about that long at
+    the speed the worker measured on its earlier passes: the first pass, unmeasured, is the
+    smallest; a draft that prefills faster gets longer passes, and one slowed down (by a target
+    busy on the same cores, say) shorter ones at the next pass. Without it, passes keep their
+    token budget (512 tokens took the real pair's draft 2.9 s, past the target's round timeout)."""
+    from specd.services.draft import worker as worker_module
+    from specd.services.draft.worker import PREFILL_RATE_DECAY, DraftWorker
+
+    clock = [0.0]
+    monkeypatch.setattr(worker_module.time, "perf_counter", lambda: clock[0])
+
+    class Prefilling:
+        """As much of a long prompt as each pass may take, at ``seconds`` a token on the clock."""
+
+        vocab_size = 100
+
+        def __init__(self) -> None:
+            self.seconds = 1e-3
+            self.budgets: list[int] = []
+
+        def prefill(self, budget: int) -> int:
+            self.budgets.append(budget)
+            clock[0] += budget * self.seconds
+            return budget
+
+    drafter = Prefilling()
+    sliced = DraftWorker(drafter, 4096, 0, MAX_SPECULATIVE_TOKENS, prefill_chunk=512, prefill_slice=0.1)
+    for _ in range(2):
+        sliced.prefill_idle()
+    drafter.seconds = 4e-3
+    for _ in range(3):
+        sliced.prefill_idle()
+    rate = 1e-3 + (1 - PREFILL_RATE_DECAY) * (4e-3 - 1e-3)  # after the first slow pass
+    assert drafter.budgets == [MIN_PREFILL_CHUNK, 100, 100, int(0.1 / rate), drafter.budgets[-1]]
+    assert drafter.budgets[-1] < drafter.budgets[-2] < 100
+    assert sliced.prefilled_tokens == sum(drafter.budgets)
+    drafter.budgets.clear()
+    whole = DraftWorker(drafter, 4096, 0, MAX_SPECULATIVE_TOKENS, prefill_chunk=512)
+    whole.prefill_idle()
+    assert drafter.budgets == [512]
 
 
 def test_chunked_prefill_keeps_greedy_identity_with_transformers(chunked: Engine, tiny_pair) -> None:
