@@ -1005,6 +1005,26 @@ class SpeculationController:
             plain=lambda: plain_choice(len(rows), args[4], keys),
         )
 
+    def drafts_at(self, rows: int, greedy: bool, keys: int, kmax: int) -> bool:
+        """Whether a batch of ``rows`` free rows new to the controller (the engine-wide acceptance,
+        the draft ready for each, no n-gram match, ``keys`` cached tokens between them) would be
+        given the draft model at today's prices, the batch margin applied as :meth:`plan` applies
+        it. Nothing is explored or counted: the engine asks this at admission, before it has the
+        draft prefill prompts that a batch at rest would never draft for."""
+        if rows <= 0 or kmax <= 0:
+            return False
+        kmax = min(kmax, self.cfg.kmax)
+        acc = np.array([[d[:kmax] for d in self.global_acceptance(greedy)]] * rows)
+        cost = self.cost_model()
+        choice = choose_blocks(
+            acc, np.zeros(rows, dtype=int), np.ones(rows, dtype=bool), np.full(rows, kmax), cost, keys=keys
+        )
+        if choice.model_steps == 0:
+            return False
+        if rows > 1 and self.cfg.batch_margin > 0:
+            return choice.goodput >= (1.0 + self.cfg.batch_margin) * plain_choice(rows, cost, keys).goodput
+        return True
+
     def _plan_seeded(self, row: RowPlan, kmax: int) -> tuple[int, int]:
         """:func:`choose_seeded` for a seeded row, at ``seeded_k`` guesses, priced by REFERENCE_COST."""
         k = min(self.cfg.seeded_k, kmax)

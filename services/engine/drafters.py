@@ -78,10 +78,18 @@ class Drafter(Protocol):
     """What the engine needs from a drafter."""
 
     def add(
-        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+        self,
+        seq_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str = "",
+        prefill_ahead: bool = True,
     ) -> None:
         """Start tracking a sequence (``params``: its sampling, for drafters that need it up front;
-        ``cache_salt``: the request's prefix-cache salt, for drafters with a prefix cache)."""
+        ``cache_salt``: the request's prefix-cache salt, for drafters with a prefix cache;
+        ``prefill_ahead``: whether the engine expects to ask for its guesses soon, so that a drafter
+        which prefills prompts ahead of their first proposal, beside the target, does it for this
+        one; without, the prompt is fed at the first proposal, if any)."""
 
     def propose(self, rows: Sequence[DraftRow], sampling: BatchSampling | None) -> Proposal:
         """Guess up to ``row.k`` tokens for each row (``sampling`` matters only to model drafters)."""
@@ -201,7 +209,12 @@ class NGramDrafter:
         self._indexes: dict[str, NGramIndex] = {}
 
     def add(
-        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+        self,
+        seq_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str = "",
+        prefill_ahead: bool = True,
     ) -> None:
         pass  # the context travels in each DraftRow; an index is made at the first lookup
 
@@ -289,10 +302,17 @@ class ModelDrafter:
         return self.model.info.vocab_size
 
     def add(
-        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+        self,
+        seq_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str = "",
+        prefill_ahead: bool = True,
     ) -> None:
         """Take a slot; the prompt is prefilled by :meth:`prefill`, a chunk at a time (after the
-        longest prefix cached under ``cache_salt``)."""
+        longest prefix cached under ``cache_salt``), whatever ``prefill_ahead`` says: a sequence
+        this drafter has not prefilled is not :meth:`ready`, so the engine would never draft for it,
+        and in this process the prefill takes the target's own time only between its passes."""
         slot = self.cache.allocate()
         # All but the last token: the last committed token is fed at the next proposal.
         prompt = list(prompt_ids[:-1])

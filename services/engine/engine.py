@@ -406,6 +406,7 @@ class Engine:
         free (plus one block of headroom per running sequence, so the newcomer does not at once
         force a preemption); the rest wait. A prompt's blocks that running sequences hold already
         (a shared system prompt, with prefix caching) are shared, not taken."""
+        drafted: list[_Seq] = []  # admitted now, for the draft model
         while self.waiting and self.cache.free_slots > 0:
             req = self.waiting[0]
             headroom = len(self.running)
@@ -444,8 +445,30 @@ class Engine:
             self.prompt_tokens += len(prompt)
             self.cached_prompt_tokens += hit
             if self._may_use_model(req):
-                self.model_drafter.add(req.request_id, prompt, req.params, req.cache_salt)
+                drafted.append(seq)
             self.running[req.request_id] = seq
+        if drafted:
+            self._add_to_draft(drafted)
+
+    def _add_to_draft(self, seqs: list[_Seq]) -> None:
+        """Hand the draft model the sequences just admitted. An "auto" one has its prompt prefilled
+        ahead (beside the target) only where the controller would give a batch of this size the
+        draft model at all: a wave of requests met by a batch at rest had the real pair's draft
+        prefill 32 prompts for nothing, 3.6 s of its CPU on the cores the target decodes on
+        (docs/benchmarks.md). Its prompt is fed at its first ask instead, priced as a catch-up.
+        Fixed methods and pinned rows (seeded sampled ones, EngineConfig.pin_seeded) are always
+        prefilled ahead: their plans do not depend on the load."""
+        keys = sum(len(s.tokens) for s in self.running.values())
+        drafts: dict[bool, bool] = {}  # by greedy: whether a batch this size would draft
+        for seq in seqs:
+            req = seq.req
+            ahead = True
+            if req.spec.method == "auto" and not self._pinned(seq):
+                greedy = req.params.greedy
+                if greedy not in drafts:
+                    drafts[greedy] = self.controller.drafts_at(len(self.running), greedy, keys, req.spec.k)
+                ahead = drafts[greedy]
+            self.model_drafter.add(req.request_id, seq.tokens, req.params, req.cache_salt, prefill_ahead=ahead)
 
     def _may_use_model(self, req: Request) -> bool:
         if self.model_drafter is None:

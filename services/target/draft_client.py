@@ -68,7 +68,9 @@ def _unseen(row: draft_pb2.ProposeRow) -> int:
 # 2 shared cores, auto decoding almost without speculation ran at 18-19 tok/s with every prompt
 # opened at admission against 19-23 opened at the first ask, `none` 25-27 (one A/B of two passes
 # each; docs/benchmarks.md, "The real pair"). Such sequences are opened at their first ask, as
-# when their draft was down at admission.
+# when their draft was down at admission. This looks back; the engine also looks ahead, and adds
+# an "auto" sequence without prefill_ahead where the controller would not draft for a batch of
+# the size it joins (Engine._add_to_draft): a wave of requests after a quiet spell that drafted.
 OPEN_AT_ADMISSION_WITHIN_STEPS = 8
 
 # Offered blocks (drafting ahead) spare the target its wait only in a round where every row found
@@ -373,11 +375,19 @@ class RemoteDrafter:
     # ------------------------------------------------------------------ Drafter protocol
 
     def add(
-        self, seq_id: str, prompt_ids: list[int], params: SamplingParams | None = None, cache_salt: str = ""
+        self,
+        seq_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str = "",
+        prefill_ahead: bool = True,
     ) -> None:
+        """Assign the sequence an endpoint; with ``prefill_ahead`` it is opened there at the next
+        step (:meth:`prefill`), else at its first ask, if any."""
         self.seqs[seq_id] = _SeqState(self._pick(), sampling_to_pb(params or SamplingParams()), cache_salt)
         self.seqs[seq_id].endpoint.assigned += 1
-        self._unopened.append((seq_id, list(prompt_ids)))
+        if prefill_ahead:
+            self._unopened.append((seq_id, list(prompt_ids)))
 
     def prefill(self, budget: int) -> None:
         """Called every engine step, with or without work: each draft service prefills its own

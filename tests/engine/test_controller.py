@@ -1028,3 +1028,26 @@ def test_a_new_batch_size_where_guesses_cost_compute_starts_plain(seed: int) -> 
     four = run([SeqAcceptance(KMAX) for _ in range(4)], 60)
     assert sum(1 for w in four if w > 0) <= 6, four
     assert all(w == 0 for w in four[20:]), four
+
+
+@pytest.mark.parametrize("rows", [1, 4, 12, 32])  # one row, the plain-Python path, the batched one
+def test_drafts_at_answers_as_the_plan_of_a_fresh_batch_and_counts_nothing(rows: int) -> None:
+    """What the engine asks at admission (whether to have the draft prefill new prompts): a batch
+    of ``rows`` fresh rows is given the draft model by drafts_at exactly where plan() gives it to
+    them, over acceptances and prices where it does and where it does not (the batch margin
+    included); asking explores nothing, counts no round and starts no rest."""
+    margin_cost = CostModel(v0=4e-3, v_row=0.0, v_token=0.05e-3, d0=0.5e-3, d_step=0.2e-3)
+    answers = []
+    for cost in (MEMORY_BOUND, COMPUTE_BOUND, margin_cost):
+        for rate in (0.0, 0.25, 0.5, 0.9):
+            ctl = SpeculationController(_NO_EXPLORATION)
+            ctl.cost_model = lambda c=cost: c
+            ctl.global_acceptance = lambda greedy, a=rate: [[a] * KMAX, [a] * KMAX]
+            asked = ctl.drafts_at(rows, True, 100 * rows, KMAX)
+            assert ctl.stats.rounds == 0 and not ctl.dormant()
+            batch = [RowPlan(SeqAcceptance(KMAX), True, KMAX, 0, True, context=100) for _ in range(rows)]
+            planned = ctl.plan(batch, KMAX).model_steps > 0
+            assert asked == planned, (cost, rate, rows)
+            answers.append(asked)
+    assert any(answers) and not all(answers)  # the cases cover both answers
+    assert not SpeculationController(_NO_EXPLORATION).drafts_at(rows, True, 0, 0)  # no guesses allowed

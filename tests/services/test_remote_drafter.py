@@ -331,6 +331,10 @@ def test_sequences_are_opened_at_admission_only_while_the_draft_is_asked(micro_d
         assert opened == [(1, 0)]  # admitted while the draft counts as asked: opened at once
         drafter.propose([DraftRow("early", prompt, 2, True, None)], None)
         assert opened[-1] == (0, 1)
+        drafter.add("held", prompt, prefill_ahead=False)  # the engine expects no ask soon
+        drafter.prefill(16)
+        assert opened[-1] == (0, 1), opened  # not opened, though the draft was asked a step ago
+        assert drafter.unseen("held", len(prompt)) == len(prompt)
         for _ in range(OPEN_AT_ADMISSION_WITHIN_STEPS):
             drafter.prefill(16)
         drafter.add("late", prompt)
@@ -346,6 +350,47 @@ def test_sequences_are_opened_at_admission_only_while_the_draft_is_asked(micro_d
         assert drafter.unseen("late", len(prompt) + 9) == 8  # after rounds it sat out
     finally:
         drafter.close()
+
+
+def test_the_draft_prefills_ahead_only_what_a_batch_this_size_would_draft_for(micro_pair, micro_draft_service) -> None:
+    """At admission the engine asks the controller whether a batch of the size it now runs would
+    be given the draft model (SpeculationController.drafts_at, once per greedy / sampled); an
+    "auto" request is opened on the draft at once only where it would. A fixed method, and a
+    seeded sampled "auto" request (planned apart from the load), are opened at once whatever the
+    answer. The request not opened is opened at its first ask, if any, and its text is the target's."""
+    engine = _remote_engine(micro_pair, micro_draft_service)
+    asked: list[tuple[int, bool, int]] = []  # drafts_at's (rows, greedy, kmax)
+    engine.controller.drafts_at = lambda rows, greedy, keys, kmax: asked.append((rows, greedy, kmax)) or False
+    drafter = engine.model_drafter
+    ahead: dict[str, bool] = {}
+    add = drafter.add
+
+    def add_spy(seq_id, prompt_ids, params=None, cache_salt="", prefill_ahead=True) -> None:
+        ahead[seq_id] = prefill_ahead
+        add(seq_id, prompt_ids, params, cache_salt, prefill_ahead)
+
+    drafter.add = add_spy
+    opens: list[int] = []  # sequences each message to the draft opened
+    send = drafter.endpoints[0].stream.send
+    drafter.endpoints[0].stream.send = lambda msg: (opens.append(len(msg.open)), send(msg))[-1]
+    prompt = (3, 7, 5, 9, 1, 2)
+    greedy = SamplingParams(0.0, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(0.8, seed=5, max_tokens=8, ignore_eos=True)
+    try:
+        res = engine.generate(
+            [
+                Request("auto", prompt, greedy, SpecConfig("auto", 3)),
+                Request("auto-seeded", prompt, seeded, SpecConfig("auto", 3)),
+                Request("fixed", prompt, greedy, SpecConfig("draft", 3)),
+            ]
+        )
+        alone = engine.generate([Request("alone", prompt, greedy, SpecConfig("none", 0))])
+    finally:
+        engine.close()
+    assert asked == [(3, True, 3)], asked
+    assert ahead == {"auto": False, "auto-seeded": True, "fixed": True}, ahead
+    assert opens[0] == 2, opens  # the first message opened the two prefilled ahead
+    assert res["auto"].token_ids == alone["alone"].token_ids == res["fixed"].token_ids
 
 
 _PREFILLED_IN_ROUNDS = tuple(1 + i % 11 for i in range(40))  # 39 to prefill: 5 rounds at 8
