@@ -311,8 +311,7 @@ class ModelDrafter:
     ) -> None:
         """Take a slot; the prompt is prefilled by :meth:`prefill`, a chunk at a time (after the
         longest prefix cached under ``cache_salt``), whatever ``prefill_ahead`` says: a sequence
-        this drafter has not prefilled is not :meth:`ready`, so the engine would never draft for it,
-        and in this process the prefill takes the target's own time only between its passes."""
+        this drafter has not prefilled is not :meth:`ready`, so the engine would never draft for it."""
         slot = self.cache.allocate()
         # All but the last token: the last committed token is fed at the next proposal.
         prompt = list(prompt_ids[:-1])

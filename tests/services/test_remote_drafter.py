@@ -357,7 +357,7 @@ def test_the_draft_prefills_ahead_only_what_a_batch_this_size_would_draft_for(mi
     be given the draft model (SpeculationController.drafts_at, once per greedy / sampled); an
     "auto" request is opened on the draft at once only where it would. A fixed method, and a
     seeded sampled "auto" request (planned apart from the load), are opened at once whatever the
-    answer. The request not opened is opened at its first ask, if any, and its text is the target's."""
+    answer. The text of the request not opened is the target's all the same."""
     engine = _remote_engine(micro_pair, micro_draft_service)
     asked: list[tuple[int, bool, int]] = []  # drafts_at's (rows, greedy, kmax)
     engine.controller.drafts_at = lambda rows, greedy, keys, kmax: asked.append((rows, greedy, kmax)) or False
