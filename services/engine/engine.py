@@ -418,7 +418,7 @@ class Engine:
             chain = self._head_chain[1]
             need = self.cache.blocks_to_admit(req.prompt_ids, limit, req.cache_salt, chain)
             if need + headroom > self.cache.free_blocks:
-                return
+                break
             self.waiting.popleft()
             self._head_chain = None
             slot = self.cache.allocate()
