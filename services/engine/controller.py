@@ -1019,11 +1019,19 @@ class SpeculationController:
         choice = choose_blocks(
             acc, np.zeros(rows, dtype=int), np.ones(rows, dtype=bool), np.full(rows, kmax), cost, keys=keys
         )
-        if choice.model_steps == 0:
-            return False
-        if rows > 1 and self.cfg.batch_margin > 0:
-            return choice.goodput >= (1.0 + self.cfg.batch_margin) * plain_choice(rows, cost, keys).goodput
-        return True
+        if rows > 1:
+            choice = self._with_margin(choice, lambda: plain_choice(rows, cost, keys))
+        return choice.model_steps > 0
+
+    def _with_margin(self, choice: Choice, plain: Callable[[], Choice]) -> Choice:
+        """For a batch of free rows: ``choice``, or ``plain()`` where its guesses do not promise
+        ``batch_margin`` more goodput than a round without them."""
+        if self.cfg.batch_margin > 0 and choice.width > 0:
+            # (Priced directly: the grid held at width 0 took 0.13 ms of a 16-row plan's 0.33.)
+            without = plain()
+            if choice.goodput < (1.0 + self.cfg.batch_margin) * without.goodput:
+                return without
+        return choice
 
     def _plan_seeded(self, row: RowPlan, kmax: int) -> tuple[int, int]:
         """:func:`choose_seeded` for a seeded row, at ``seeded_k`` guesses, priced by REFERENCE_COST."""
@@ -1086,11 +1094,8 @@ class SpeculationController:
         2-2.6 s where a plain round took 0.4 (docs/benchmarks.md)."""
         cfg = self.cfg
         batch = free and len(choice.ks) > 1  # a batch of free rows: the margin and dormancy apply
-        if batch and cfg.batch_margin > 0 and choice.width > 0:
-            # (Priced directly: the grid held at width 0 took 0.13 ms of a 16-row plan's 0.33.)
-            without = plain()
-            if choice.goodput < (1.0 + cfg.batch_margin) * without.goodput:
-                choice = without
+        if batch:
+            choice = self._with_margin(choice, plain)
         rows = len(choice.ks)
         if cfg.explore_new_batch and batch and can_guess and self._new_shape(rows, 0):
             # A batch size met for the first time runs one plain round first (and plans again at

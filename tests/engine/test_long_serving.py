@@ -67,8 +67,8 @@ def test_sliced_budget_bounds_a_pass_by_its_measured_time() -> None:
 
 def test_a_draft_worker_sizes_its_prefill_passes_by_their_measured_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """With prefill_slice set, each pass between rounds takes about that long at the speed the
-    worker measured on its earlier passes (a round's own pass is sized the same way): the first pass, unmeasured, is the
-    smallest; a draft that prefills faster gets longer passes, and one slowed down (by a target
+    worker measured on its earlier passes (a round's own pass is sized the same way): the first
+    pass, unmeasured, is the smallest; a draft that prefills faster gets longer passes, and one slowed down (by a target
     busy on the same cores, say) shorter ones at the next pass. Without it, passes keep their
     token budget (512 tokens took the real pair's draft 2.9 s, past the target's round timeout)."""
     from specd.services.draft import worker as worker_module
