@@ -798,6 +798,11 @@ class _ShapedFit:
             if len(held) == features:
                 return [0.0] * features
 
+    def level(self) -> float:
+        """The level ``a`` of the best fit with no deviations: ``y ~ a * (shape . x)``."""
+        g = self.ztz[0][0]
+        return max(self.zty[0] / g, 0.0) if g > 0 else 0.0
+
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """``a x = b`` by Gaussian elimination with partial pivoting (a small, well-posed system)."""
@@ -939,8 +944,11 @@ class SpeculationController:
             return REFERENCE_COST
         v = self.verify_fit.coef()
         # Until the draft model has been timed, its steps are priced at the prior's share of the
-        # verify cost at the measured level.
-        level = v[0] / _VERIFY_SHAPE[0]
+        # verify cost at the measured level: the fitted fixed cost's, or where a few rounds moved
+        # it all onto another feature (two plain rounds whose context differs by two tokens:
+        # v0 = 0), the level of the prior's shape. The draft was priced at nothing there, and its
+        # first timings, clipped to that price, kept it there for good.
+        level = v[0] / _VERIFY_SHAPE[0] if v[0] > 0 else self.verify_fit.level()
         d = self.draft_fit.coef() if self.draft_fit.fitted else [x * level for x in _DRAFT_SHAPE]
         # The staircase up to the most tokens verified yet (0 past it, as for a count never seen):
         # each count's mean deviation from this line. Deviations kept from the line of their day
@@ -1351,8 +1359,9 @@ class SpeculationController:
         ) in enumerate(self._timings, start=first):
             timed_verify = i > 0
             predicted = c.verify_tokens(rows, tokens, keys)
-            # A round far slower than predicted (another process took the core) is clipped, not trusted.
-            limit = cfg.outlier_factor * predicted if timed_verify else float("inf")
+            # A round far slower than predicted (another process took the core) is clipped, not
+            # trusted; a model that prices the round at nothing knows no outlier.
+            limit = cfg.outlier_factor * predicted if timed_verify and predicted > 0 else float("inf")
             y = min(verify_seconds, limit)
             self.verify_fit.decay(cfg.cost_decay)
             self.draft_fit.decay(cfg.cost_decay)
@@ -1372,6 +1381,9 @@ class SpeculationController:
                 # The first timing (a draft service's time-out, say) is checked against the prior.
                 predicted = c.draft(model_steps, model_rows, caught_up)
                 limit = (1 if self.draft_fit.fitted else 2) * cfg.outlier_factor * predicted
+                if predicted <= 0:
+                    # Clipped to a price of nothing, every later timing would confirm it.
+                    limit = float("inf")
                 x = (1.0, model_steps, model_steps * float(model_rows), float(caught_up))
                 self.draft_fit.add(x, min(draft_seconds, limit))
         self._timings.clear()

@@ -381,6 +381,26 @@ def test_the_cost_fit_learns_the_price_of_catching_up() -> None:
     assert cost.draft(3, 16) == pytest.approx(d0 + 3 * 16 * d_step_row, rel=0.15)
 
 
+@pytest.mark.parametrize("second", [4.7e-3, 2.0e-3])
+def test_a_fixed_cost_fitted_onto_the_context_does_not_price_the_draft_at_nothing(second: float) -> None:
+    """Two plain rounds of two rows whose context differs by two tokens and whose times differ
+    (as the stack's first timed rounds of a demo warm-up did: 3 and 5 ms): the fit may put the
+    whole round on the context and none on the fixed cost. The draft model, not yet timed, is
+    still priced at the prior's share of the measured level, and once timed at what it took. (At
+    the fitted fixed cost's level it was priced at nothing, its first timings were clipped to
+    that price, and it stayed free for the rest of the run.)"""
+    ctl = SpeculationController(_NO_EXPLORATION)
+    ctl.observe_costs(2, 0, 3e-3, 0, 0, 0.0, 300)
+    ctl.observe_costs(2, 0, second, 0, 0, 0.0, 302)
+    cost = ctl.cost_model()
+    plain = cost.verify(2, 0, 302)
+    untimed = cost.draft(3, 2)
+    assert plain > 0 and 0.1 * plain < untimed < 2 * plain, (plain, untimed)
+    for i in range(40):
+        ctl.observe_costs(2, 3, 5e-3, 3, 2, 2.5e-3, 304 + 8 * i)
+    assert ctl.cost_model().draft(3, 2) == pytest.approx(2.5e-3, rel=0.3)
+
+
 def test_the_cost_fit_prices_the_tokens_a_packed_round_verifies() -> None:
     """Where the forward skips padding (rows verifying fewer guesses than the width), the round's
     timing is fitted against the tokens it computed, not rows x (width + 1): the fit recovers the
