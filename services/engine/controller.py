@@ -944,11 +944,11 @@ class SpeculationController:
             return REFERENCE_COST
         v = self.verify_fit.coef()
         # Until the draft model has been timed, its steps are priced at the prior's share of the
-        # verify cost at the measured level: the fitted fixed cost's, or where a few rounds moved
-        # it all onto another feature (two plain rounds whose context differs by two tokens:
-        # v0 = 0), the level of the prior's shape. The draft was priced at nothing there, and its
+        # verify cost at the measured level: the fitted fixed cost's, unless a few rounds moved it
+        # onto another feature (two plain rounds whose context differs by two tokens: v0 = 0),
+        # then the level of the prior's shape. The draft was priced at nothing there, and its
         # first timings, clipped to that price, kept it there for good.
-        level = v[0] / _VERIFY_SHAPE[0] if v[0] > 0 else self.verify_fit.level()
+        level = max(v[0] / _VERIFY_SHAPE[0], self.verify_fit.level())
         d = self.draft_fit.coef() if self.draft_fit.fitted else [x * level for x in _DRAFT_SHAPE]
         # The staircase up to the most tokens verified yet (0 past it, as for a count never seen):
         # each count's mean deviation from this line. Deviations kept from the line of their day
