@@ -804,6 +804,12 @@ class _ShapedFit:
         return max(self.zty[0] / g, 0.0) if g > 0 else 0.0
 
 
+def _clip_limit(predicted: float, factor: float) -> float:
+    """The most a timing priced at ``predicted`` counts for in a fit: ``factor`` times its price, or
+    anything where the price is nothing (clipped to 0, every later timing would confirm it)."""
+    return factor * predicted if predicted > 0 else float("inf")
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """``a x = b`` by Gaussian elimination with partial pivoting (a small, well-posed system)."""
     n = len(b)
@@ -1359,9 +1365,8 @@ class SpeculationController:
         ) in enumerate(self._timings, start=first):
             timed_verify = i > 0
             predicted = c.verify_tokens(rows, tokens, keys)
-            # A round far slower than predicted (another process took the core) is clipped, not
-            # trusted; a model that prices the round at nothing knows no outlier.
-            limit = cfg.outlier_factor * predicted if timed_verify and predicted > 0 else float("inf")
+            # A round far slower than predicted (another process took the core) is clipped, not trusted.
+            limit = _clip_limit(predicted, cfg.outlier_factor) if timed_verify else float("inf")
             y = min(verify_seconds, limit)
             self.verify_fit.decay(cfg.cost_decay)
             self.draft_fit.decay(cfg.cost_decay)
@@ -1380,10 +1385,7 @@ class SpeculationController:
             if model_steps > 0:
                 # The first timing (a draft service's time-out, say) is checked against the prior.
                 predicted = c.draft(model_steps, model_rows, caught_up)
-                limit = (1 if self.draft_fit.fitted else 2) * cfg.outlier_factor * predicted
-                if predicted <= 0:
-                    # Clipped to a price of nothing, every later timing would confirm it.
-                    limit = float("inf")
+                limit = _clip_limit(predicted, (1 if self.draft_fit.fitted else 2) * cfg.outlier_factor)
                 x = (1.0, model_steps, model_steps * float(model_rows), float(caught_up))
                 self.draft_fit.add(x, min(draft_seconds, limit))
         self._timings.clear()
